@@ -1,0 +1,284 @@
+"""The swarm's message types, and the ``encode``/``decode`` entry points.
+
+Each message is a frozen, typed dataclass with a ``TYPE`` string and is registered with
+:func:`register_message`; the codec validates every field from the annotations, and each class's
+``validate`` hook checks the invariants that span fields (documented in docs/CONTRACTS.md), so a
+peer that receives a message can trust its shape without re-checking it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .codec import decode, encode
+from .errors import MalformedMessage
+from .limits import DEFAULT_MAX_BYTES
+from .options import DecodeOptions
+from .registry import register_message
+from .tensor import TensorFrame
+
+__all__ = [
+    "encode",
+    "decode",
+    "register_message",
+    "DEFAULT_MAX_BYTES",
+    "MicrobatchId",
+    "ActivationMessage",
+    "GradientMessage",
+    "HopFailure",
+    "IterationDone",
+    "StageAdvert",
+    "MembershipEvent",
+    "LinkReport",
+    "ScheduleEpoch",
+    "RpcRequest",
+    "RpcResponse",
+    "PEER_STATES",
+    "MEMBERSHIP_KINDS",
+    "MAX_PORT",
+]
+
+#: Lifecycle states a peer advertises in :class:`StageAdvert`.
+PEER_STATES: frozenset[str] = frozenset({"JOINING", "ONLINE", "DRAINING", "OFFLINE"})
+#: Kinds of :class:`MembershipEvent`.
+MEMBERSHIP_KINDS: frozenset[str] = frozenset({"join", "leave", "suspect", "alive"})
+#: Highest TCP/UDP port number (16-bit field).
+MAX_PORT: int = 65535
+
+
+def _non_negative(owner: str, **values: int | float) -> None:
+    for name, value in values.items():
+        if not value >= 0:  # also catches NaN
+            raise MalformedMessage(f"{owner}.{name} must be >= 0, got {value!r}")
+
+
+def _check_route(owner: str, mb: MicrobatchId, hop: int, route: tuple[str, ...]) -> None:
+    if not route or route[0] != mb.data_node or route[-1] != mb.data_node:
+        raise MalformedMessage(f"{owner}.route must start and end at data node {mb.data_node[:100]!r}")
+    if not 0 <= hop < len(route):
+        raise MalformedMessage(f"{owner}.hop {hop} is outside route of length {len(route)}")
+
+
+@dataclass(frozen=True)
+class MicrobatchId:
+    """Names one microbatch swarm-wide; not a message itself but part of the hop messages."""
+
+    run_id: str
+    epoch: int
+    iteration: int
+    data_node: str
+    index: int
+
+    def validate(self, options: DecodeOptions) -> None:
+        """Counters are non-negative."""
+        _non_negative("MicrobatchId", epoch=self.epoch, iteration=self.iteration, index=self.index)
+
+
+@register_message
+@dataclass(frozen=True)
+class ActivationMessage:
+    """Forward pass: a microbatch's activations sent to ``route[hop]``.
+
+    ``route`` lists peer ids from the data node back to it (``route[0] == route[-1] ==
+    mb.data_node``); ``hop`` is the receiver's index in ``route``.
+    """
+
+    TYPE: ClassVar[str] = "activation"
+
+    mb: MicrobatchId
+    hop: int
+    route: tuple[str, ...]
+    tensor: TensorFrame
+
+    def validate(self, options: DecodeOptions) -> None:
+        """The route is closed at the data node and ``hop`` indexes it."""
+        _check_route("ActivationMessage", self.mb, self.hop, self.route)
+
+
+@register_message
+@dataclass(frozen=True)
+class GradientMessage:
+    """Backward pass: gradients w.r.t. the activations, travelling the same route with ``hop`` decreasing."""
+
+    TYPE: ClassVar[str] = "gradient"
+
+    mb: MicrobatchId
+    hop: int
+    route: tuple[str, ...]
+    tensor: TensorFrame
+
+    def validate(self, options: DecodeOptions) -> None:
+        """The route is closed at the data node and ``hop`` indexes it."""
+        _check_route("GradientMessage", self.mb, self.hop, self.route)
+
+
+@register_message
+@dataclass(frozen=True)
+class HopFailure:
+    """A hop of a microbatch could not be delivered or computed; tells the data node to drop or reroute it."""
+
+    TYPE: ClassVar[str] = "hop_failure"
+
+    mb: MicrobatchId
+    hop: int
+    peer_id: str
+    reason: str
+
+    def validate(self, options: DecodeOptions) -> None:
+        """``hop`` is an index."""
+        _non_negative("HopFailure", hop=self.hop)
+
+
+@register_message
+@dataclass(frozen=True)
+class IterationDone:
+    """A data node finished all its microbatches of an iteration.
+
+    ``visits[peer_id]`` counts the microbatches of this data node that peer processed, so
+    stage peers know how many gradient contributions to expect before averaging.
+    """
+
+    TYPE: ClassVar[str] = "iteration_done"
+
+    run_id: str
+    epoch: int
+    iteration: int
+    data_node: str
+    visits: dict[str, int]
+    dropped: int
+
+    def validate(self, options: DecodeOptions) -> None:
+        """Counters are non-negative."""
+        _non_negative("IterationDone", epoch=self.epoch, iteration=self.iteration, dropped=self.dropped)
+        _non_negative("IterationDone.visits", **{"[" + repr(k[:100]) + "]": v for k, v in self.visits.items()})
+
+
+@register_message
+@dataclass(frozen=True)
+class StageAdvert:
+    """A peer's periodic self-description: which stages it serves, how fast, with how much room."""
+
+    TYPE: ClassVar[str] = "stage_advert"
+
+    run_id: str
+    peer_id: str
+    gossip_peer_id: str
+    maddrs: tuple[str, ...]
+    gossip_maddrs: tuple[str, ...]
+    stages: tuple[int, ...]
+    state: str
+    compute_s_per_sample_per_layer: float
+    memory_slots: int
+    free_slots: int
+    protocol_version: int
+    rpc_port: int | None
+    location: str | None
+    timestamp: float
+
+    def validate(self, options: DecodeOptions) -> None:
+        """Known state, non-negative counts, finite compute speed and a valid port."""
+        if self.state not in PEER_STATES:
+            raise MalformedMessage(f"StageAdvert.state must be one of {sorted(PEER_STATES)}, got {self.state[:100]!r}")
+        _non_negative("StageAdvert", memory_slots=self.memory_slots, free_slots=self.free_slots)
+        _non_negative("StageAdvert.stages", **{f"[{i}]": s for i, s in enumerate(self.stages)})
+        if not (math.isfinite(self.compute_s_per_sample_per_layer) and self.compute_s_per_sample_per_layer >= 0):
+            raise MalformedMessage(
+                f"StageAdvert.compute_s_per_sample_per_layer must be finite and >= 0, got {self.compute_s_per_sample_per_layer!r}"
+            )
+        if self.rpc_port is not None and not 0 <= self.rpc_port <= MAX_PORT:
+            raise MalformedMessage(f"StageAdvert.rpc_port {self.rpc_port} is not a port number")
+
+
+@register_message
+@dataclass(frozen=True)
+class MembershipEvent:
+    """A change in who is in the swarm, gossiped so every peer converges on the same member list."""
+
+    TYPE: ClassVar[str] = "membership_event"
+
+    run_id: str
+    peer_id: str
+    kind: str
+    stages: tuple[int, ...]
+    timestamp: float
+
+    def validate(self, options: DecodeOptions) -> None:
+        """Known kind, non-negative stages."""
+        if self.kind not in MEMBERSHIP_KINDS:
+            raise MalformedMessage(f"MembershipEvent.kind must be one of {sorted(MEMBERSHIP_KINDS)}, got {self.kind[:100]!r}")
+        _non_negative("MembershipEvent.stages", **{f"[{i}]": s for i, s in enumerate(self.stages)})
+
+
+@register_message
+@dataclass(frozen=True)
+class LinkReport:
+    """Measured round-trip times and bandwidths from ``src`` to other peers, feeding the scheduler's cost model."""
+
+    TYPE: ClassVar[str] = "link_report"
+
+    run_id: str
+    src: str
+    timestamp: float
+    rtt_ms: dict[str, float]
+    bandwidth_Bps: dict[str, float]
+
+    def validate(self, options: DecodeOptions) -> None:
+        """Measurements are not negative (inf is allowed: an unreachable peer)."""
+        for field in ("rtt_ms", "bandwidth_Bps"):
+            for peer, value in getattr(self, field).items():
+                if value < 0:
+                    raise MalformedMessage(f"LinkReport.{field}[{peer[:100]!r}] must be >= 0, got {value!r}")
+
+
+@register_message
+@dataclass(frozen=True)
+class ScheduleEpoch:
+    """The coordinator's schedule for an epoch: ``members[i]`` is node index ``i`` of the schedule JSON.
+
+    ``signature`` covers :meth:`signing_payload`, i.e. ``encode()`` of the message with
+    ``signature=b""``, so any change to any other field invalidates it.
+    """
+
+    TYPE: ClassVar[str] = "schedule_epoch"
+
+    run_id: str
+    epoch: int
+    coordinator: str
+    issued_at: float
+    members: tuple[str, ...]
+    schedule: dict
+    signature: bytes
+
+    def validate(self, options: DecodeOptions) -> None:
+        """``epoch`` is non-negative."""
+        _non_negative("ScheduleEpoch", epoch=self.epoch)
+
+    def signing_payload(self) -> bytes:
+        """The bytes the coordinator signs: this message encoded with an empty signature."""
+        return encode(dataclasses.replace(self, signature=b""))
+
+
+@register_message
+@dataclass(frozen=True)
+class RpcRequest:
+    """A request to a peer's control RPC (the CLI talking to its daemon, or peer to peer)."""
+
+    TYPE: ClassVar[str] = "rpc_request"
+
+    method: str
+    params: dict
+
+
+@register_message
+@dataclass(frozen=True)
+class RpcResponse:
+    """The reply to an :class:`RpcRequest`: ``result`` when ``ok``, else an ``error`` text."""
+
+    TYPE: ClassVar[str] = "rpc_response"
+
+    ok: bool
+    result: object
+    error: str | None

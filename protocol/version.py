@@ -1,0 +1,13 @@
+"""The wire protocol version.
+
+Peers compare this number before trusting anything else in a message, so that a daemon
+running an older release rejects a newer peer's messages loudly instead of misreading them.
+Bump it whenever the encoding of any existing message changes incompatibly.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PROTOCOL_VERSION"]
+
+#: Version carried in the ``"v"`` key of every envelope; decoders accept only this value.
+PROTOCOL_VERSION: int = 1
