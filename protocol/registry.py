@@ -29,7 +29,8 @@ def register_message(cls: _T) -> _T:
     """Class decorator: make a frozen dataclass with a ``TYPE: ClassVar[str]`` a wire message.
 
     Its field annotations are resolved now, so an unsupported annotation fails at import time
-    with ``TypeError`` rather than at the first send. Registering a second class under a ``TYPE``
+    with ``TypeError`` rather than at the first send (annotations naming classes that do not
+    exist yet, such as the class itself, are resolved on first use instead). Registering a second class under a ``TYPE``
     that is already taken raises ``ValueError`` (two meanings for one name would corrupt peers).
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
@@ -44,9 +45,11 @@ def register_message(cls: _T) -> _T:
         raise ValueError(
             f"message type {type_name!r} is already registered by {existing.__module__}.{existing.__qualname__}"
         )
-    spec = spec_for_dataclass(cls)
+    try:
+        _SPECS[cls] = spec_for_dataclass(cls)
+    except NameError:
+        logger.debug("%s has forward references; resolving its fields on first use", cls.__qualname__)
     _BY_TYPE[type_name] = cls
-    _SPECS[cls] = spec
     logger.debug("registered message type %r -> %s.%s", type_name, cls.__module__, cls.__qualname__)
     return cls
 
@@ -63,7 +66,10 @@ def message_spec(cls: type) -> DataclassSpec:
     """Return the spec of a registered message class; raise :class:`UnknownMessageType` if not registered."""
     spec = _SPECS.get(cls)
     if spec is None:
-        raise UnknownMessageType(f"{getattr(cls, '__qualname__', cls)!r} is not a registered message class")
+        type_name = getattr(cls, "TYPE", None)
+        if not isinstance(type_name, str) or _BY_TYPE.get(type_name) is not cls:
+            raise UnknownMessageType(f"{getattr(cls, '__qualname__', cls)!r} is not a registered message class")
+        spec = _SPECS[cls] = spec_for_dataclass(cls)
     return spec
 
 
