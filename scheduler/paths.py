@@ -1,0 +1,650 @@
+"""Skip-aware path scheduling for a fixed node-to-stage allocation.
+
+Given the stages (stage 0 = data nodes), a cost matrix, the path length and the microbatches per
+data node, choose a route for every microbatch that obeys the convergence rules (start and end at
+its data node, exactly ``path_length`` stages, each at most once, bounded reordering), the load
+rule (every non-zero stage gets an equal share of visits, +-1), and memory safety (no route cycle
+that can deadlock), and that minimises the simulated iteration time.
+
+Method (instead of the reference's CBS over a time-aware A*, which re-plans every agent at every
+search node and stops on heuristic thresholds):
+
+1. **Construction.** Microbatches are taken in dispatch order, interleaved across data nodes.
+   For each, every allowed stage order whose stages still have quota is scored by an exact
+   shortest path over the stage replicas (a layered dynamic programme on round-trip cost: hops
+   both ways plus forward + backward compute), where each node's compute is inflated by
+   ``load_weight x`` the work already placed on it. ``load_weight = 0`` with even per-node caps
+   is collision-blind ("SkipPipe without TC2"); positive weights spread load.
+2. **Collision-aware refinement (TC2).** The best construction (by simulated iteration time)
+   is improved by a seeded local search whose objective is the event simulation itself
+   (:mod:`scheduler.simulator`): change a replica, exchange a stage between two microbatches,
+   reorder a route, or swap two microbatches' dispatch order. Every move keeps all constraints,
+   so the search can stop at any point with a valid schedule.
+
+Determinism: the result depends only on the inputs and ``seed`` as long as ``max_iterations``
+is reached before ``budget_s`` runs out. ``budget_s`` is a safety cap: when it cuts the search
+the result is still valid but may depend on machine speed. Callers that need agreement (a
+coordinator and its validators) should pass a ``max_iterations`` that fits the budget on the
+slowest machine; :func:`schedule_paths_report` says whether the cap was hit.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from scheduler.cost import CostMatrix
+from scheduler.errors import ScheduleError
+from scheduler.routes import RouteLimits, allowed_sequences
+from scheduler.schedule import PathEntry, Schedule
+from scheduler.simulator import simulate_routes
+from scheduler.validate import deadlock_risk, validate_schedule
+
+__all__ = [
+    "PathReport",
+    "schedule_paths",
+    "schedule_paths_report",
+    "construct_routes",
+    "collision_blind_routes",
+    "blind_makespan",
+    "normalise_request",
+    "stage_quotas",
+    "routes_to_schedule",
+]
+
+Routes = dict[int, list[tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class PathReport:
+    """How a path search went: simulated iteration time of the best construction and of the
+    result, local-search iterations done, and whether ``budget_s`` stopped it early."""
+
+    initial_time_s: float
+    final_time_s: float
+    iterations: int
+    budget_hit: bool
+    wall_s: float
+
+
+def normalise_request(
+    stages: Sequence[Sequence[int]],
+    cost: CostMatrix,
+    path_length: int,
+    microbatches_per_data_node: int | Mapping[int, int] | Sequence[int],
+    memory: int,
+) -> tuple[tuple[tuple[int, ...], ...], dict[int, int]]:
+    """Check a scheduling request and return ``(stages, microbatches per data node)``.
+
+    Raises ScheduleError for empty stages, unknown or repeated node ids, a path length outside
+    ``1..len(stages)``, memory < 1, or no microbatches at all.
+    """
+    st = tuple(tuple(int(v) for v in s) for s in stages)
+    if not st:
+        raise ScheduleError("stages", "need at least one stage")
+    seen: set[int] = set()
+    for s, nodes in enumerate(st):
+        if not nodes:
+            raise ScheduleError("stages", f"stage {s} has no nodes (fewer nodes than stages need?)")
+        for v in nodes:
+            if not 0 <= v < cost.n_nodes:
+                raise ScheduleError("stages", f"node {v} of stage {s} is not in the cost matrix (0..{cost.n_nodes - 1})")
+            if v in seen:
+                raise ScheduleError("stages", f"node {v} is in two stages")
+            seen.add(v)
+    if not 1 <= path_length <= len(st):
+        raise ScheduleError("path-length", f"path_length {path_length} must be in 1..{len(st)} (the number of stages)")
+    if memory < 1:
+        raise ScheduleError("memory", f"memory must be >= 1, got {memory}")
+    if isinstance(microbatches_per_data_node, int):
+        counts = {d: microbatches_per_data_node for d in st[0]}
+    elif isinstance(microbatches_per_data_node, Mapping):
+        counts = {d: int(microbatches_per_data_node.get(d, 0)) for d in st[0]}
+        extra = set(microbatches_per_data_node) - set(st[0])
+        if extra:
+            raise ScheduleError("microbatch-count", f"nodes {sorted(extra)} are not data nodes")
+    else:
+        if len(microbatches_per_data_node) != len(st[0]):
+            raise ScheduleError("microbatch-count", f"{len(microbatches_per_data_node)} counts for {len(st[0])} data nodes")
+        counts = {d: int(c) for d, c in zip(st[0], microbatches_per_data_node)}
+    if any(c < 0 for c in counts.values()):
+        raise ScheduleError("microbatch-count", "microbatch counts must be >= 0")
+    if sum(counts.values()) < 1:
+        raise ScheduleError("microbatch-count", "no microbatches to schedule")
+    return st, counts
+
+
+def stage_quotas(stages: Sequence[Sequence[int]], total_microbatches: int, path_length: int) -> list[int]:
+    """Visits each stage must get: stage 0 every microbatch; the ``(L-1) x total`` other visits
+    split evenly, the remainder going to the stages with the most replicas (then lowest index),
+    which absorb an extra visit best."""
+    S = len(stages)
+    q = [total_microbatches] + [0] * (S - 1)
+    if S == 1:
+        return q
+    V = (path_length - 1) * total_microbatches
+    base, rem = divmod(V, S - 1)
+    order = sorted(range(1, S), key=lambda s: (-len(stages[s]), s))
+    for s in range(1, S):
+        q[s] = base
+    for s in order[:rem]:
+        q[s] += 1
+    return q
+
+
+def _slots(counts: Mapping[int, int], data_nodes: Sequence[int], lanes: int | None) -> list[tuple[int, int, int]]:
+    """Units to route, as ``(data node, first microbatch index, weight)``, interleaved across
+    data nodes.
+
+    ``lanes=None``: one unit per microbatch. ``lanes=m``: data node d's microbatches are split
+    round-robin into ``min(m, c_d)`` lanes (microbatch i in lane ``i mod m``) and each lane gets
+    one route, so with dispatch in index order about one microbatch per lane is in flight: the
+    reference's "agents", which let a static per-node lane count stand in for memory (TC1).
+    """
+    per_d: dict[int, list[tuple[int, int]]] = {}
+    for d in data_nodes:
+        c = counts[d]
+        if lanes is None:
+            per_d[d] = [(i, 1) for i in range(c)]
+        else:
+            k = min(lanes, c)
+            per_d[d] = [(j, c // k + (1 if j < c % k else 0)) for j in range(k)] if k else []
+    out = []
+    for k in range(max((len(v) for v in per_d.values()), default=0)):
+        for d in data_nodes:
+            if k < len(per_d[d]):
+                out.append((d, per_d[d][k][0], per_d[d][k][1]))
+    return out
+
+
+def _expand(counts: Mapping[int, int], data_nodes: Sequence[int], slots, slot_routes, lanes: int | None) -> "Routes":
+    """Per-microbatch routes in dispatch order from per-unit routes (see :func:`_slots`)."""
+    by_first = {(d, i): r for (d, i, _), r in zip(slots, slot_routes)}
+    out: Routes = {}
+    for d in data_nodes:
+        c = counts[d]
+        k = c if lanes is None else min(lanes, c)
+        out[d] = [by_first[(d, i % k)] for i in range(c)] if k else []
+    return out
+
+
+class _Problem:
+    """Precomputed arrays shared by construction and search."""
+
+    def __init__(self, stages, cost: CostMatrix, path_length: int, memory: int, limits: RouteLimits, max_sequences: int):
+        self.stages = stages
+        self.cost = cost
+        self.L = path_length
+        self.memory = memory
+        self.limits = limits
+        self.S = len(stages)
+        self.stage_of = {v: s for s, nodes in enumerate(stages) for v in nodes}
+        self.seqs = allowed_sequences(self.S, path_length, limits, max_sequences)
+        if not self.seqs:
+            raise ScheduleError("max-jump", f"no stage order of length {path_length} satisfies {limits}")
+        reachable = {s for q in self.seqs for s in q}
+        missing = [s for s in range(1, self.S) if s not in reachable] if path_length > 1 else []
+        if missing:
+            raise ScheduleError(
+                "stage-balance", f"stages {missing} appear in no allowed route (raise max_jump or path_length); they cannot get their share"
+            )
+        self.seq_set = set(self.seqs)
+        self.by_stageset: dict[frozenset, list[tuple[int, ...]]] = {}
+        for q in self.seqs:
+            self.by_stageset.setdefault(frozenset(q), []).append(q)
+        link = np.asarray(cost.link_s, dtype=float)
+        self.W = link + link.T  # a hop is crossed forward one way and backward the other
+        comp = np.asarray(cost.compute_s, dtype=float)
+        self.work = comp * (1.0 + cost.backward_ratio)
+        self.R = [np.asarray(s, dtype=int) for s in stages]
+        self.sub = {
+            (a, b): self.W[np.ix_(self.R[a], self.R[b])] for a in range(1, self.S) for b in range(1, self.S) if a != b
+        }
+
+    def has_swap(self, route: Sequence[int]) -> bool:
+        highest = 0
+        for v in route[1:]:
+            s = self.stage_of[v]
+            if s < highest:
+                return True
+            highest = s
+        return False
+
+
+def _best_route(pb: _Problem, d: int, seq: tuple[int, ...], nw: np.ndarray) -> tuple[float, tuple[int, ...]]:
+    """Cheapest replicas for stage order ``seq`` from data node ``d`` (exact layered DP)."""
+    if not seq:
+        return 0.0, (d,)
+    R = pb.R
+    c = pb.W[d, R[seq[0]]] + nw[R[seq[0]]]
+    back = []
+    for a, b in zip(seq, seq[1:]):
+        M = c[:, None] + pb.sub[(a, b)]
+        arg = M.argmin(axis=0)
+        c = M[arg, np.arange(M.shape[1])] + nw[R[b]]
+        back.append(arg)
+    c = c + pb.W[R[seq[-1]], d]
+    i = int(c.argmin())
+    best = float(c[i])
+    if not math.isfinite(best):
+        return math.inf, ()
+    idx = [i]
+    for arg in reversed(back):
+        idx.append(int(arg[idx[-1]]))
+    idx.reverse()
+    return best, (d,) + tuple(int(R[s][k]) for s, k in zip(seq, idx))
+
+
+class _HopGraph:
+    """Multiset of route hops between non-data nodes, to keep the hop graph acyclic while
+    routes are built (an acyclic hop graph can never deadlock on memory, whatever the loads)."""
+
+    def __init__(self) -> None:
+        self.succ: dict[int, dict[int, int]] = {}
+
+    def add(self, route: Sequence[int]) -> None:
+        for u, v in zip(route[1:], route[2:]):
+            e = self.succ.setdefault(u, {})
+            e[v] = e.get(v, 0) + 1
+
+    def _reaches(self, src: int, dst: int, extra: dict[int, set[int]]) -> bool:
+        stack, seen = [src], {src}
+        while stack:
+            u = stack.pop()
+            if u == dst:
+                return True
+            for w in list(self.succ.get(u, ())) + list(extra.get(u, ())):
+                if w not in seen:
+                    seen.add(w)
+                    stack.append(w)
+        return False
+
+    def would_cycle(self, route: Sequence[int]) -> bool:
+        extra: dict[int, set[int]] = {}
+        for u, v in zip(route[1:], route[2:]):
+            if self._reaches(v, u, extra):
+                return True
+            extra.setdefault(u, set()).add(v)
+        return False
+
+
+def construct_routes(
+    pb: _Problem,
+    counts: Mapping[int, int],
+    load_weight: float,
+    even_node_caps: bool,
+    lanes: int | None = None,
+    order: Sequence[int] | None = None,
+) -> Routes | None:
+    """Greedy network-aware construction (step 1 of the module docstring).
+
+    load_weight: how much already-placed work on a node adds to its cost (0: collision-blind).
+    even_node_caps: no replica of stage s gets more than ``ceil(quota_s / replicas_s)`` visits.
+    lanes: route per lane instead of per microbatch (see :func:`_slots`).
+    order: data nodes in the order they pick routes in each round (default: ``stages[0]``).
+    Returns per-microbatch routes in dispatch order, or ``None`` if the stage quotas could not be
+    met this way (the caller then tries another construction).
+    """
+    stages = pb.stages
+    slots = _slots(counts, stages[0] if order is None else order, lanes)
+    total = sum(counts.values())
+    quota = stage_quotas(stages, total, pb.L)
+    left = quota[:]  # visits still to place per stage
+    cap = np.full(pb.cost.n_nodes, np.inf)
+    if even_node_caps:
+        for s in range(1, pb.S):
+            for v in stages[s]:
+                cap[v] = math.ceil(quota[s] / len(stages[s]))
+    visits = np.zeros(pb.cost.n_nodes)
+    load = np.zeros(pb.cost.n_nodes)
+    chosen_routes: list[tuple[int, ...]] = []
+    hops = _HopGraph()
+    remaining = total
+    for d, _, w in slots:
+        remaining -= w
+        nw = pb.work + load_weight * load
+        nw = np.where(visits + w > cap, np.inf, nw)
+        chosen = None
+        for strict in (True, False):
+            options = []
+            for seq in pb.seqs:
+                if any(left[s] < w for s in seq):
+                    continue
+                if strict and any(left[s] - (w if s in seq else 0) > remaining for s in range(1, pb.S)):
+                    continue
+                c, r = _best_route(pb, d, seq, nw)
+                if math.isfinite(c):
+                    options.append((c, r))
+            options.sort()
+            for c, r in options:
+                if not hops.would_cycle(r):
+                    chosen = r
+                    break
+            if chosen is not None:
+                break
+        if chosen is None:
+            return None
+        for v in chosen[1:]:
+            left[pb.stage_of[v]] -= w
+            visits[v] += w
+            load[v] += w * pb.work[v]
+        hops.add(chosen)
+        chosen_routes.append(chosen)
+    if any(x != 0 for x in left[1:]):
+        return None
+    return _expand(counts, stages[0], slots, chosen_routes, lanes)
+
+
+def blind_makespan(pb: _Problem, routes: Routes) -> tuple[float, float]:
+    """Collision-blind iteration estimate: every microbatch takes its isolated round trip, a data
+    node runs ``min(memory, c_d)`` lanes of them back to back. Returns (max, sum) over lanes."""
+    cost = pb.cost
+    worst, total = 0.0, 0.0
+    for d, rs in routes.items():
+        k = min(pb.memory, len(rs))
+        lanes = [0.0] * max(k, 1)
+        for i, r in enumerate(rs):
+            t = sum(pb.work[v] for v in r) + cost.loss_s(d)
+            if len(r) > 1:  # every hop of the cycle is crossed once each way
+                t += sum(pb.W[u, v] for u, v in zip(r, r[1:] + (r[0],)))
+            lanes[i % len(lanes)] += t
+        worst = max(worst, max(lanes))
+        total += sum(lanes)
+    return worst, total
+
+
+def collision_blind_routes(pb: _Problem, counts: Mapping[int, int], orders: int = 8) -> Routes | None:
+    """"SkipPipe without TC2": the reference's non-collision-aware scheduler in spirit. Each lane
+    gets a network-optimal route (isolated round-trip cost) under even per-node lane caps (the
+    static memory rule, TC1) and the stage quotas; the greedy is run for ``orders`` rotations of
+    the data-node order and the result with the best collision-blind makespan is kept."""
+    data = list(pb.stages[0])
+    best = None
+    for k in range(min(orders, len(data))):
+        rot = data[k:] + data[:k]
+        r = construct_routes(pb, counts, 0.0, True, lanes=pb.memory, order=rot) or construct_routes(
+            pb, counts, 0.0, True, order=rot
+        )
+        if r is None or deadlock_risk(r, pb.memory) is not None:
+            continue
+        score = blind_makespan(pb, r)
+        if best is None or score < best[0]:
+            best = (score, r)
+    if best is None:
+        r = construct_routes(pb, counts, 0.0, False)
+        return r if r is not None and deadlock_risk(r, pb.memory) is None else None
+    return best[1]
+
+
+def routes_to_schedule(
+    stages, routes: Routes, path_length: int, memory: int, cost: CostMatrix, limits: RouteLimits
+) -> Schedule:
+    """Pack per-microbatch routes into path entries, merging consecutive equal routes of a data
+    node (dispatch order is preserved)."""
+    entries: list[PathEntry] = []
+    for d in stages[0]:
+        run: tuple[int, ...] | None = None
+        c = 0
+        for r in routes.get(d, []):
+            if r == run:
+                c += 1
+                continue
+            if run is not None:
+                entries.append(PathEntry(d, run, c))
+            run, c = r, 1
+        if run is not None:
+            entries.append(PathEntry(d, run, c))
+    return Schedule(tuple(tuple(s) for s in stages), path_length, memory, tuple(entries), cost, limits)
+
+
+def _objective(routes: Routes, cost: CostMatrix, memory: int) -> tuple[float, float]:
+    res = simulate_routes(routes, cost, memory)
+    return res.iteration_time_s, sum(res.finish_s.values())
+
+
+def _critical(routes: Routes, cost: CostMatrix, memory: int) -> int:
+    res = simulate_routes(routes, cost, memory)
+    return max(res.finish_s, key=lambda d: (res.finish_s[d], -d))
+
+
+def schedule_paths_report(
+    stages: Sequence[Sequence[int]],
+    cost: CostMatrix,
+    path_length: int,
+    microbatches_per_data_node: int | Mapping[int, int] | Sequence[int],
+    memory: int,
+    seed: int = 0,
+    budget_s: float = 2.0,
+    *,
+    limits: RouteLimits = RouteLimits(),
+    collision_aware: bool = True,
+    max_iterations: int | None = None,
+    iterations_per_microbatch: int = 40,
+    base_iterations: int = 300,
+    load_weights: Sequence[float] = (0.25, 0.5, 1.0, 2.0),
+    max_sequences: int = 20000,
+    blind_orders: int = 8,
+) -> tuple[Schedule, PathReport]:
+    """:func:`schedule_paths` plus a :class:`PathReport`.
+
+    max_iterations: local-search steps; default ``base_iterations + iterations_per_microbatch x
+        microbatches`` (1500 for the 20-node setting: a few hundred simulations per second
+        of budget on a slow core, enough for the search to level off there).
+    load_weights: penalties tried by the construction when ``collision_aware`` (each gives one
+        starting point; the best simulated one is refined).
+    max_sequences: cap on enumerated stage orders (exponential in the path length).
+    blind_orders: data-node orders tried by the collision-blind construction.
+    """
+    t0 = time.perf_counter()
+    st, counts = normalise_request(stages, cost, path_length, microbatches_per_data_node, memory)
+    pb = _Problem(st, cost, path_length, memory, limits, max_sequences)
+    blind = collision_blind_routes(pb, counts, blind_orders)
+    candidates: list[Routes] = [blind] if blind is not None else []
+    if collision_aware:
+        for w in load_weights:
+            for lanes in (None, memory):
+                r = construct_routes(pb, counts, w, False, lanes=lanes)
+                if r is not None:
+                    candidates.append(r)
+    candidates = [r for r in candidates if deadlock_risk(r, memory) is None]
+    if not candidates:
+        fallback = _random_balanced(pb, counts, random.Random(seed)) or _random_balanced(pb, counts, random.Random(seed), lanes=memory)
+        if fallback is None:
+            raise ScheduleError(
+                "stage-balance", "could not find routes giving every non-zero stage an equal share under these limits"
+            )
+        candidates = [fallback]
+    if not collision_aware:
+        best = candidates[0]
+        t = simulate_routes(best, cost, memory).iteration_time_s
+        sched = routes_to_schedule(st, best, path_length, memory, cost, limits)
+        validate_schedule(sched, microbatches_per_data_node=counts)
+        return sched, PathReport(t, t, 0, False, time.perf_counter() - t0)
+    scored = [(_objective(r, cost, memory), i) for i, r in enumerate(candidates)]
+    (cur_obj, bi) = min(scored)
+    cur = {d: list(rs) for d, rs in candidates[bi].items()}
+    initial = cur_obj[0]
+    total = sum(counts.values())
+    iters = max_iterations if max_iterations is not None else base_iterations + iterations_per_microbatch * total
+    rng = random.Random(seed)
+    done, hit = _local_search(pb, cur, cur_obj, iters, rng, t0 + budget_s)
+    final = _objective(cur, cost, memory)[0]
+    sched = routes_to_schedule(st, cur, path_length, memory, cost, limits)
+    validate_schedule(sched, microbatches_per_data_node=counts)
+    return sched, PathReport(initial, final, done, hit, time.perf_counter() - t0)
+
+
+def schedule_paths(
+    stages: Sequence[Sequence[int]],
+    cost: CostMatrix,
+    path_length: int,
+    microbatches_per_data_node: int | Mapping[int, int] | Sequence[int],
+    memory: int,
+    seed: int = 0,
+    budget_s: float = 2.0,
+    **options,
+) -> Schedule:
+    """Routes for every microbatch over a FIXED allocation; always valid or ScheduleError.
+
+    stages: node ids per stage, ``stages[0]`` the data nodes (sizes may differ; a stage may have
+        one replica). cost: compute and link times (``cost.n_nodes`` covers every id).
+    path_length: stages each microbatch visits, stage 0 included (skip ratio
+        ``1 - path_length / len(stages)``; ``== len(stages)`` means no skipping).
+    microbatches_per_data_node: one count for all data nodes, a mapping, or a sequence aligned
+        with ``stages[0]``; totals need not divide evenly.
+    memory: in-flight microbatches per node. seed: all randomness. budget_s: wall-clock cap (see
+        module docstring on determinism). options: see :func:`schedule_paths_report`.
+    """
+    return schedule_paths_report(stages, cost, path_length, microbatches_per_data_node, memory, seed, budget_s, **options)[0]
+
+
+def _random_balanced(
+    pb: _Problem, counts: Mapping[int, int], rng: random.Random, tries: int = 50, lanes: int | None = None
+) -> Routes | None:
+    """Network-blind routes meeting the quotas: random admissible stage orders, the least-visited
+    replica of each stage (random tie-break), no hop cycles. Used by the random-skip baseline
+    and as a last resort here; ``None`` if ``tries`` attempts all failed."""
+    stages = pb.stages
+    slots = _slots(counts, stages[0], lanes)
+    total = sum(counts.values())
+    quota = stage_quotas(stages, total, pb.L)
+    for _ in range(tries):
+        left = quota[:]
+        visits = {v: 0 for v in pb.stage_of}
+        chosen: list[tuple[int, ...]] = []
+        hops = _HopGraph()
+        ok = True
+        rem = total
+        for d, _, w in slots:
+            rem -= w
+            adm = [
+                q
+                for q in pb.seqs
+                if all(left[s] >= w for s in q) and all(left[s] - (w if s in q else 0) <= rem for s in range(1, pb.S))
+            ]
+            if not adm:
+                ok = False
+                break
+            rng.shuffle(adm)
+            adm.sort(key=lambda q: sum(min(visits[v] for v in stages[s]) for s in q))
+            route = None
+            for seq in adm:
+                r = [d]
+                for s in seq:
+                    low = min(visits[v] for v in stages[s])
+                    r.append(rng.choice([v for v in stages[s] if visits[v] == low]))
+                if not hops.would_cycle(r):
+                    route = tuple(r)
+                    break
+            if route is None:
+                ok = False
+                break
+            for v in route[1:]:
+                visits[v] += w
+                left[pb.stage_of[v]] -= w
+            hops.add(route)
+            chosen.append(route)
+        if ok and all(x == 0 for x in left[1:]):
+            routes = _expand(counts, stages[0], slots, chosen, lanes)
+            if deadlock_risk(routes, pb.memory) is None:
+                return routes
+    return None
+
+
+def _local_search(
+    pb: _Problem, cur: Routes, cur_obj: tuple[float, float], iterations: int, rng: random.Random, deadline: float
+) -> tuple[int, bool]:
+    """Simulation-guided local search, in place on ``cur``. Returns (iterations done, budget hit).
+
+    Accepts a move when the simulated iteration time does not get worse and the sum of data-node
+    finish times does not either (the second term lets non-critical data nodes improve, which
+    frees the nodes the critical one needs).
+    """
+    cost, memory = pb.cost, pb.memory
+    mbs = [(d, i) for d in sorted(cur) for i in range(len(cur[d]))]
+    if not mbs:
+        return 0, False
+    critical = _critical(cur, cost, memory)
+    n_swapping = sum(pb.has_swap(r) for d in cur for r in cur[d])
+    multi = [s for s in range(1, pb.S) if len(pb.stages[s]) > 1]
+    done = 0
+    for done in range(1, iterations + 1):
+        if time.perf_counter() > deadline:
+            return done - 1, True
+        # pick a microbatch, half the time one of the data node that finishes last
+        if rng.random() < 0.5 and cur[critical]:
+            d1, i1 = critical, rng.randrange(len(cur[critical]))
+        else:
+            d1, i1 = mbs[rng.randrange(len(mbs))]
+        r1 = cur[d1][i1]
+        changes: list[tuple[int, int, tuple[int, ...]]] = []
+        kind = rng.random()
+        if pb.L < 2:
+            kind = 0.95
+        if kind < 0.4:  # another replica at one position
+            if not multi:
+                continue
+            pos = rng.randrange(1, pb.L)
+            s = pb.stage_of[r1[pos]]
+            if len(pb.stages[s]) < 2:
+                continue
+            v = rng.choice([x for x in pb.stages[s] if x != r1[pos]])
+            changes.append((d1, i1, r1[:pos] + (v,) + r1[pos + 1 :]))
+        elif kind < 0.7:  # exchange a stage with another microbatch (keeps stage loads)
+            d2, i2 = mbs[rng.randrange(len(mbs))]
+            r2 = cur[d2][i2]
+            s1 = [pb.stage_of[v] for v in r1[1:]]
+            s2 = [pb.stage_of[v] for v in r2[1:]]
+            only1 = [p for p, s in enumerate(s1) if s not in s2]
+            only2 = [p for p, s in enumerate(s2) if s not in s1]
+            if not only1 or not only2:
+                continue
+            p1, p2 = rng.choice(only1), rng.choice(only2)
+            n1 = list(s1)
+            n2 = list(s2)
+            n1[p1], n2[p2] = s2[p2], s1[p1]
+            if tuple(n1) not in pb.seq_set or tuple(n2) not in pb.seq_set:
+                continue
+            v1 = rng.choice(pb.stages[s2[p2]])
+            v2 = rng.choice(pb.stages[s1[p1]])
+            changes.append((d1, i1, r1[: p1 + 1] + (v1,) + r1[p1 + 2 :]))
+            changes.append((d2, i2, r2[: p2 + 1] + (v2,) + r2[p2 + 2 :]))
+        elif kind < 0.85:  # reorder the same stages
+            s1 = tuple(pb.stage_of[v] for v in r1[1:])
+            alts = [q for q in pb.by_stageset.get(frozenset(s1), []) if q != s1]
+            if not alts:
+                continue
+            q = rng.choice(alts)
+            node_of = {pb.stage_of[v]: v for v in r1[1:]}
+            changes.append((d1, i1, (r1[0],) + tuple(node_of[s] for s in q)))
+        else:  # swap dispatch order within a data node
+            if len(cur[d1]) < 2:
+                continue
+            i2 = rng.randrange(len(cur[d1]))
+            if cur[d1][i2] == r1:
+                continue
+            changes.append((d1, i1, cur[d1][i2]))
+            changes.append((d1, i2, r1))
+        if len(changes) == 2 and changes[0][:2] == changes[1][:2]:
+            continue
+        old = [(d, i, cur[d][i]) for d, i, _ in changes]
+        for d, i, r in changes:
+            cur[d][i] = r
+        new_swapping = n_swapping + sum(pb.has_swap(r) for _, _, r in changes) - sum(pb.has_swap(r) for _, _, r in old)
+        ok = new_swapping == 0 or deadlock_risk(cur, memory) is None
+        if ok:
+            res = simulate_routes(cur, cost, memory)
+            obj = (res.iteration_time_s, sum(res.finish_s.values()))
+            if obj[0] <= cur_obj[0] + 1e-9 and (obj[0] < cur_obj[0] - 1e-9 or obj[1] <= cur_obj[1] + 1e-9):
+                cur_obj = obj
+                n_swapping = new_swapping
+                critical = max(res.finish_s, key=lambda d: (res.finish_s[d], -d))
+                continue
+        for d, i, r in old:
+            cur[d][i] = r
+    return done, False
