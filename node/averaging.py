@@ -1,0 +1,113 @@
+"""Gradient averaging between the replicas of one stage, over hivemind's DecentralizedAverager.
+
+One averager per (run, stage, schedule epoch): the prefix names exactly that group, and the group
+size is the number of replicas the epoch gives the stage, so matchmaking never mixes stages or
+epochs and a full group starts all-reduce at once. Each replica passes the *mean* gradient of the
+microbatches that visited it with ``weight`` = how many did; hivemind computes
+``sum(w_i * g_i) / sum(w_i)``, i.e. the mean over every visiting microbatch of the stage (not the
+reference implementation's divide-by-replica-count). A replica that processed nothing joins with
+weight 0 so the others are not left waiting.
+
+Pitfalls handled here (see docs/training.md): the averager must be constructed and started on the
+main thread (``run_in_background`` calls ``signal.signal``) and it sets SIGINT to SIG_IGN in our
+process, so the previous handler is restored; its blocking calls run in an executor. A peer killed
+mid-all-reduce can leave the survivors with slightly different values: :meth:`average` reports
+such rounds as failed when hivemind notices, and :func:`node.stage_runtime.StageRuntime.checksum`
+is the hook for the re-sync of issue #6.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from node.compat import import_hivemind
+
+__all__ = ["AveragingConfig", "StageAverager", "averager_prefix"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    #: how long a replica waits for its group before giving up on this round (seconds)
+    matchmaking_timeout_s: float = 60.0
+    #: hivemind's min_matchmaking_time: how long a leader gathers followers before starting; our
+    #: groups are always full (target = min = replica count), so all-reduce starts as soon as the
+    #: last replica arrives and this only needs to exceed request_timeout (hivemind's advice)
+    min_matchmaking_time_s: float = 5.0
+    request_timeout_s: float = 3.0
+    allreduce_timeout_s: float = 60.0
+
+
+def averager_prefix(run_id: str, stage: int, epoch: int) -> str:
+    """DHT prefix of one averaging group; hivemind forbids '.' in it."""
+    safe_run = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)
+    return f"{safe_run}_stage{stage}_epoch{epoch}"
+
+
+class StageAverager:
+    """Weighted all-reduce of one stage's gradient tensors among that stage's replicas."""
+
+    def __init__(self, dht, like: Sequence[torch.Tensor], *, prefix: str, group_size: int,
+                 cfg: AveragingConfig = AveragingConfig()):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("DecentralizedAverager must be created on the main thread")
+        hivemind = import_hivemind()
+        self.prefix, self.group_size, self.cfg = prefix, group_size, cfg
+        self._avg = hivemind.DecentralizedAverager(
+            averaged_tensors=[torch.zeros_like(t, device="cpu") for t in like],
+            dht=dht,
+            start=False,
+            prefix=prefix,
+            target_group_size=group_size,
+            min_group_size=group_size,
+            min_matchmaking_time=cfg.min_matchmaking_time_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            allow_state_sharing=False,
+        )
+        self._started = False
+
+    async def start(self) -> None:
+        """Fork the averager process without blocking the loop for long; keep our SIGINT handler."""
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            self._avg.run_in_background(await_ready=False)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        await self._avg._ready  # MPFuture, awaitable
+        self._started = True
+        logger.debug("averager %s ready (group of %d)", self.prefix, self.group_size)
+
+    async def average(self, tensors: List[torch.Tensor], weight: float) -> bool:
+        """Replace ``tensors`` in place by the group's weighted mean; False if the round failed."""
+        assert self._started, "call start() first"
+        with self._avg.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors):
+                buf.copy_(t.detach().cpu())
+        try:
+            # on the loop thread: the returned MPFuture binds to the loop that creates it (blocks ~ms)
+            control = self._avg.step(weight=float(weight), wait=False, timeout=self.cfg.matchmaking_timeout_s)
+            result = await control
+        except Exception as e:  # hivemind raises assorted errors on failed rounds
+            logger.warning("averaging round of %s failed: %r", self.prefix, e)
+            return False
+        if result is None:
+            logger.warning("averaging round of %s found no group", self.prefix)
+            return False
+        with self._avg.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors):
+                t.copy_(buf.to(t.device))
+        return True
+
+    def shutdown(self) -> None:
+        if self._started and self._avg.is_alive():
+            self._avg.shutdown()
+        self._started = False

@@ -1,0 +1,376 @@
+"""``skippipe up``: train a tiny model on a local swarm, with no flags needed.
+
+Until the daemon (``skippipe node run``) hosts trainers, the swarm here is an in-process harness,
+:class:`LocalSwarm`: one real hivemind ``P2P`` (its own p2pd) and ``DHT`` per node on 127.0.0.1
+plus a bootstrap peer, each node a :class:`node.trainer.TrainerNode` exactly as the daemon will
+run it, with a hand-built schedule (:func:`build_schedule`). Tests and the benchmark use the same
+harness. Outputs: a progress line per iteration, ``loss.png``, ``history.json`` and
+``summary.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Sequence
+
+from node.errors import UserError
+
+__all__ = ["register", "build_schedule", "LocalSwarm", "UpOptions", "run_up"]
+
+logger = logging.getLogger(__name__)
+
+#: Defaults of ``skippipe up``: 2 data nodes + stages 1..5 of the tiny model, two replicas for
+#: stages 1 and 2, paths of 4 stages out of 6 (skip ratio 1/3); about a minute on 2 CPU cores.
+DEFAULT_ITERATIONS = 40
+DEFAULT_DATA_NODES = 2
+DEFAULT_REPLICAS = "2,2,1,1,1"
+DEFAULT_PATH_LENGTH = 4
+DEFAULT_MICROBATCHES = 4
+DEFAULT_MEMORY = 2
+DEFAULT_LR = 3e-3
+#: Validation batches used for the before/after loss of the full model.
+VAL_BATCHES = 8
+
+
+def build_schedule(n_stages: int, data_nodes: int, replicas: Sequence[int], path_length: int,
+                   microbatches: int, memory: int, reorder: bool = False) -> dict:
+    """A schedule JSON (docs/CONTRACTS.md) with balanced paths, built by hand.
+
+    Node ids: ``0..data_nodes-1`` are the data nodes, then stage 1's replicas, stage 2's, ...
+    Microbatch ``g`` (counted over all data nodes) visits the ``g``-th combination (cyclically) of
+    ``path_length - 1`` of the stages ``1..n_stages-1`` in increasing order, each stage at its
+    replicas in round-robin; with ``reorder`` every fourth path swaps its last two stages.
+    """
+    if len(replicas) != n_stages - 1:
+        raise UserError(f"need replica counts for stages 1..{n_stages - 1}, got {len(replicas)}")
+    if not 1 <= path_length <= n_stages:
+        raise UserError(f"path length must be in 1..{n_stages}, got {path_length}")
+    if data_nodes < 1 or min(replicas, default=1) < 1 or microbatches < 1 or memory < 1:
+        raise UserError("data nodes, replicas, microbatches and memory must be positive")
+    stages = [list(range(data_nodes))]
+    nxt = data_nodes
+    for r in replicas:
+        stages.append(list(range(nxt, nxt + r)))
+        nxt += r
+    combos = list(itertools.combinations(range(1, n_stages), path_length - 1))
+    use_count: Dict[int, int] = {s: 0 for s in range(1, n_stages)}
+    paths = []
+    g = 0
+    for j in range(microbatches):
+        for d in range(data_nodes):
+            order = list(combos[g % len(combos)])
+            if reorder and g % 4 == 3 and len(order) >= 2:
+                order[-1], order[-2] = order[-2], order[-1]
+            route = [d]
+            for s in order:
+                route.append(stages[s][use_count[s] % len(stages[s])])
+                use_count[s] += 1
+            paths.append({"data_node": d, "route": route, "microbatches": 1})
+            g += 1
+    paths.sort(key=lambda p: p["data_node"])  # stable: microbatch order per data node kept
+    n = nxt
+    return {"stages": stages, "path_length": path_length, "memory": memory, "paths": paths,
+            "cost": {"compute_s": [0.0] * n, "link_s": [[0.0] * n for _ in range(n)]}}
+
+
+class LocalSwarm:
+    """A swarm of :class:`TrainerNode` on 127.0.0.1, all in this process (one p2pd + DHT each)."""
+
+    def __init__(self, schedule: dict, config, splits=None, threads_per_node: Optional[int] = 1,
+                 on_iteration: Optional[Callable] = None):
+        self.schedule, self.config, self.splits = schedule, config, splits
+        self.threads_per_node = threads_per_node
+        self.on_iteration = on_iteration
+        self.n_nodes = sum(len(s) for s in schedule["stages"])
+        self.p2ps: list = []
+        self.dhts: list = []
+        self.nodes: list = []
+        self._bootstrap = None
+        self._bootstrap_dht = None
+
+    async def start(self) -> None:
+        import torch
+
+        from node.compat import import_hivemind
+        from node.trainer import TrainerNode
+        from protocol import ScheduleEpoch
+
+        hivemind = import_hivemind()
+        if self.threads_per_node:
+            torch.set_num_threads(self.threads_per_node)
+        loop = asyncio.get_running_loop()
+        local = ["/ip4/127.0.0.1/tcp/0"]
+        self._bootstrap = await hivemind.p2p.P2P.create(host_maddrs=local)
+        self._bootstrap_dht = await loop.run_in_executor(
+            None, lambda: hivemind.DHT(p2p=self._bootstrap, start=True))
+        initial = [str(a) for a in await self._bootstrap.get_visible_maddrs()]
+
+        async def make_node():
+            p2p = await hivemind.p2p.P2P.create(host_maddrs=local, initial_peers=initial)
+            dht = await loop.run_in_executor(None, lambda: hivemind.DHT(p2p=p2p, initial_peers=initial, start=True))
+            return p2p, dht
+
+        for _ in range(self.n_nodes):  # sequential: forking DHT processes concurrently is not faster on 2 cores
+            p2p, dht = await make_node()
+            self.p2ps.append(p2p)
+            self.dhts.append(dht)
+        maddrs = [p._visible_maddrs for p in self.p2ps]  # without the /p2p/ suffix p2pd expects
+        for i, j in itertools.combinations(range(self.n_nodes), 2):
+            await self.p2ps[i]._client.connect(self.p2ps[j].peer_id, maddrs[j])
+        members = tuple(str(p.peer_id) for p in self.p2ps)
+        self.epoch = ScheduleEpoch(self.config.run_id, 0, str(self._bootstrap.peer_id), time.time(), members,
+                                   self.schedule, b"")
+        for i, (p2p, dht) in enumerate(zip(self.p2ps, self.dhts)):
+            node = TrainerNode(p2p=p2p, dht=dht, peer_id=members[i], epoch=self.epoch, config=self.config,
+                               splits=self.splits, node_name=f"node{i}",
+                               on_iteration=self.on_iteration if i == 0 else None)
+            await node.setup()
+            self.nodes.append(node)
+        starts = {n.current_iteration for n in self.nodes}
+        if len(starts) != 1:
+            raise UserError(f"checkpoints disagree on the iteration to resume from: {sorted(starts)}")
+
+    @property
+    def start_iteration(self) -> int:
+        return self.nodes[0].current_iteration
+
+    async def train(self, iterations: int):
+        """Run all nodes to ``iterations`` committed iterations; returns node 0's history."""
+        tasks = [asyncio.create_task(n.run(iterations)) for n in self.nodes]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return results[0]
+
+    def stage_modules(self):
+        """Replica 0 of every stage, in stage order (for evaluation and comparisons)."""
+        return [self.nodes[nodes[0]].runtime.module for nodes in self.schedule["stages"]]
+
+    async def close(self) -> None:
+        for n in self.nodes:
+            try:
+                await n.shutdown()
+            except Exception:
+                logger.exception("shutting down %s", n.node_name)
+        loop = asyncio.get_running_loop()
+        for d in self.dhts + ([self._bootstrap_dht] if self._bootstrap_dht else []):
+            await loop.run_in_executor(None, d.shutdown)
+        for p in self.p2ps + ([self._bootstrap] if self._bootstrap else []):
+            await p.shutdown()
+        self.nodes, self.dhts, self.p2ps = [], [], []
+
+    async def __aenter__(self) -> "LocalSwarm":
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+# ---------------------------------------------------------------------- the command
+@dataclass
+class UpOptions:
+    iterations: int = DEFAULT_ITERATIONS
+    out: str = "skippipe-up"
+    model: str = "tiny"
+    corpus: str = "shakespeare"
+    data_nodes: int = DEFAULT_DATA_NODES
+    replicas: str = DEFAULT_REPLICAS
+    path_length: int = DEFAULT_PATH_LENGTH
+    microbatches: int = DEFAULT_MICROBATCHES
+    microbatch_size: int = 8
+    memory: int = DEFAULT_MEMORY
+    lr: float = DEFAULT_LR
+    seed: int = 0
+    checkpoint_every: int = 10
+    resume: bool = False
+    reorder: bool = True
+    quiet: bool = False
+
+
+def _parse_replicas(text: str, n_stages: int) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--replicas must be comma-separated integers, got {text!r}")
+    if len(values) == 1:
+        values = values * (n_stages - 1)
+    if len(values) != n_stages - 1 or min(values) < 1:
+        raise UserError(f"--replicas needs {n_stages - 1} positive counts (stages 1..{n_stages - 1}), got {text!r}")
+    return values
+
+
+class _Progress:
+    """One status line per iteration (rewritten in place on a terminal)."""
+
+    def __init__(self, total: int, stream=sys.stderr, quiet: bool = False):
+        self.total, self.stream, self.quiet = total, stream, quiet
+        self.tty = stream.isatty()
+
+    def __call__(self, s) -> None:
+        if self.quiet:
+            return
+        width = 24
+        filled = int(width * (s.iteration + 1) / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        line = (f"[{bar}] iter {s.iteration + 1}/{self.total}  loss {s.loss:.4f}  "
+                f"{s.tokens / max(s.seconds, 1e-9):,.0f} tok/s  {s.seconds:.2f} s/it  nodes {s.active_nodes}")
+        if self.tty:
+            self.stream.write("\r" + line)
+            if s.iteration + 1 >= self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _plot(history: List[dict], path: pathlib.Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib not installed; no loss curve")
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([h["iteration"] + 1 for h in history], [h["loss"] for h in history], label="train (swarm)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+async def run_up(opts: UpOptions) -> dict:
+    from node.data import DataConfig, load_splits, validation_batches
+    from node.model import model_config
+    from node.reference import evaluate_loss
+    from node.stage_runtime import OptimConfig
+    from node.trainer import TrainerConfig
+
+    if opts.iterations < 1:
+        raise UserError("--iterations must be at least 1")
+    out = pathlib.Path(opts.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create output folder {out}: {e}")
+    data_cfg = DataConfig(corpus=opts.corpus, microbatch_size=opts.microbatch_size, seed=opts.seed)
+    splits = load_splits(data_cfg)
+    mcfg = model_config(opts.model, vocab_size=max(splits.vocab_size, 256) if opts.model != "500m" else None)
+    data_cfg = replace(data_cfg, seq_len=min(mcfg.context, 64 if opts.model == "tiny" else mcfg.context))
+    replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
+    schedule = build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches,
+                              opts.memory, reorder=opts.reorder)
+    config = TrainerConfig(run_id="up", model=mcfg, optim=OptimConfig(lr=opts.lr), data=data_cfg, seed=opts.seed,
+                           checkpoint_dir=str(out / "checkpoints"), checkpoint_every=opts.checkpoint_every,
+                           resume=opts.resume)
+    val = validation_batches(splits, data_cfg, VAL_BATCHES)
+    n_nodes = sum(len(s) for s in schedule["stages"])
+    if not opts.quiet:
+        print(f"starting a local swarm: bootstrap + {n_nodes} nodes ({opts.data_nodes} data nodes, stage replicas "
+              f"{replicas}), model {opts.model}, path length {opts.path_length}/{mcfg.n_stages}, corpus {opts.corpus}",
+              file=sys.stderr)
+    progress = _Progress(opts.iterations, quiet=opts.quiet)
+    t_start = time.perf_counter()
+    async with LocalSwarm(schedule, config, splits, on_iteration=progress) as swarm:
+        t_ready = time.perf_counter()
+        first = swarm.start_iteration
+        if first >= opts.iterations:
+            raise UserError(f"checkpoints are already at iteration {first}; ask for more --iterations")
+        val_before = evaluate_loss(swarm.stage_modules(), val)
+        stats = await swarm.train(opts.iterations)
+        val_after = evaluate_loss(swarm.stage_modules(), val)
+    t_end = time.perf_counter()
+    history = [asdict(s) for s in stats]
+    prev = out / "history.json"
+    if opts.resume and prev.exists():
+        old = [h for h in json.loads(prev.read_text()) if h["iteration"] < first]
+        history = old + history
+    prev.write_text(json.dumps(history, indent=1))
+    plotted = _plot(history, out / "loss.png", f"skippipe up: {opts.model} on {opts.corpus}")
+    train_s = sum(s.seconds for s in stats)
+    summary = {
+        "iterations": opts.iterations, "resumed_from": first, "nodes": n_nodes, "data_nodes": opts.data_nodes,
+        "replicas": replicas, "path_length": opts.path_length, "n_stages": mcfg.n_stages, "model": opts.model,
+        "corpus": opts.corpus, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "val_loss_before": val_before, "val_loss_after": val_after,
+        "tokens_per_s": sum(s.tokens for s in stats) / max(train_s, 1e-9),
+        "mean_iteration_s": train_s / max(len(stats), 1), "startup_s": t_ready - t_start,
+        "wall_s": t_end - t_start, "loss_png": str(out / "loss.png") if plotted else None,
+        "checkpoints": str(out / "checkpoints"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _handler(args: argparse.Namespace) -> int:
+    opts = UpOptions(iterations=args.iterations, out=args.out, model=args.model, corpus=args.corpus,
+                     data_nodes=args.data_nodes, replicas=args.replicas, path_length=args.path_length,
+                     microbatches=args.microbatches, microbatch_size=args.microbatch_size, memory=args.memory,
+                     lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                     reorder=not args.no_reorder, quiet=args.quiet)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    summary = runner(run_up(opts))
+    print(f"done: {summary['iterations']} iterations on {summary['nodes']} nodes in {summary['wall_s']:.1f} s "
+          f"(startup {summary['startup_s']:.1f} s)")
+    print(f"  train loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f};  validation loss (full model) "
+          f"{summary['val_loss_before']:.4f} -> {summary['val_loss_after']:.4f}")
+    print(f"  {summary['tokens_per_s']:,.0f} tokens/s, {summary['mean_iteration_s']:.2f} s per iteration")
+    print(f"  loss curve: {summary['loss_png']}  summary: {pathlib.Path(args.out) / 'summary.json'}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "up", help="train a tiny model on a local swarm (no flags needed)",
+        description="Start a local swarm on 127.0.0.1 (bootstrap + data nodes + stage replicas), train the tiny "
+                    "model on Shakespeare with stage skipping, write a loss curve and a summary, stop cleanly.")
+    p.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, help="total iterations (default %(default)s)")
+    p.add_argument("--out", default="skippipe-up", help="output folder (default ./%(default)s)")
+    p.add_argument("--model", default="tiny", choices=["tiny", "small", "500m"])
+    p.add_argument("--corpus", default="shakespeare", choices=["shakespeare", "sotu"])
+    p.add_argument("--data-nodes", type=int, default=DEFAULT_DATA_NODES)
+    p.add_argument("--replicas", default=DEFAULT_REPLICAS,
+                   help="replicas of stages 1..S-1, comma-separated or one number (default %(default)s)")
+    p.add_argument("--path-length", type=int, default=DEFAULT_PATH_LENGTH,
+                   help="stages per microbatch incl. stage 0 (default %(default)s; = stages for no skipping)")
+    p.add_argument("--microbatches", type=int, default=DEFAULT_MICROBATCHES, help="per data node per iteration")
+    p.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
+    p.add_argument("--memory", type=int, default=DEFAULT_MEMORY, help="in-flight microbatches per node")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--no-reorder", action="store_true", help="keep every path in stage order")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_handler)
