@@ -9,6 +9,7 @@ any failure (including msgpack's own exceptions, Unicode errors or recursion) su
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, TypeVar
 
@@ -130,7 +131,8 @@ def decode(
         if type(version) is int and version != PROTOCOL_VERSION:
             raise UnsupportedVersion(f"protocol version {version} is not supported (this build speaks {PROTOCOL_VERSION})")
         if envelope.keys() != ENVELOPE_KEYS:
-            raise MalformedMessage(f"envelope keys must be {sorted(ENVELOPE_KEYS)}, got {sorted(map(repr, envelope))[:5]}")
+            shown = [repr(key)[:_QUOTE_LIMIT] for key in itertools.islice(envelope, len(ENVELOPE_KEYS) + 1)]
+            raise MalformedMessage(f"envelope keys must be {sorted(ENVELOPE_KEYS)}, got {shown}")
         if type(version) is not int:
             raise MalformedMessage(f"envelope version must be an int, got {type(version).__name__}")
         type_name = envelope["t"]

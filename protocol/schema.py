@@ -45,6 +45,17 @@ def _wrong_type(path: str, expected: str, value: object) -> MalformedMessage:
     return MalformedMessage(f"{path}: expected {expected}, got {_type_name(value)}")
 
 
+#: Longest prefix of a peer-supplied map key quoted in an error path: keeps paths (built for every
+#: nested value) short however long the keys a hostile peer sends.
+_KEY_QUOTE_LIMIT: int = 32
+#: Most unexpected/missing field names listed in one error message.
+_NAMES_LISTED: int = 5
+
+
+def _key_path(path: str, key: object) -> str:
+    return f"{path}[{str(key)[:_KEY_QUOTE_LIMIT]!r}]"
+
+
 def _check_depth(path: str, depth: int) -> None:
     if depth > MAX_NESTING_DEPTH:
         raise MalformedMessage(f"{path}: nested deeper than {MAX_NESTING_DEPTH} levels")
@@ -306,9 +317,9 @@ class DictSpec(Spec):
         out.packer.pack_map_header(len(value))
         for key, item in value.items():
             if not isinstance(key, str):
-                raise MalformedMessage(f"{path}: map key {key!r} is not a str")
+                raise MalformedMessage(f"{path}: map key {str(key)[:_KEY_QUOTE_LIMIT]!r} is not a str")
             _STR.pack(key, out, path, depth)
-            self.value.pack(item, out, f"{path}[{key!r}]", depth + 1)
+            self.value.pack(item, out, _key_path(path, key), depth + 1)
 
     def unpack(self, value: Any, options: DecodeOptions, path: str, depth: int) -> Any:
         if type(value) is not dict:
@@ -319,7 +330,7 @@ class DictSpec(Spec):
         for key, item in value.items():
             if type(key) is not str:
                 raise MalformedMessage(f"{path}: map key of type {_type_name(key)} is not a str")
-            result[key] = spec.unpack(item, options, f"{path}[{key!r}]", depth + 1)
+            result[key] = spec.unpack(item, options, _key_path(path, key), depth + 1)
         return result
 
 
@@ -355,8 +366,8 @@ class AnySpec(Spec):
         elif isinstance(value, dict):
             for key, item in value.items():
                 if not isinstance(key, str):
-                    raise MalformedMessage(f"{path}: map key {key!r} is not a str")
-                self._check_encodable(item, f"{path}[{key!r}]", depth + 1)
+                    raise MalformedMessage(f"{path}: map key {str(key)[:_KEY_QUOTE_LIMIT]!r} is not a str")
+                self._check_encodable(item, _key_path(path, key), depth + 1)
         else:
             raise _wrong_type(path, self.describe, value)
 
@@ -376,7 +387,7 @@ class AnySpec(Spec):
             for key, item in value.items():
                 if type(key) is not str:
                     raise MalformedMessage(f"{path}: map key of type {_type_name(key)} is not a str")
-                self.unpack(item, options, f"{path}[{key!r}]", depth + 1)
+                self.unpack(item, options, _key_path(path, key), depth + 1)
         else:
             raise _wrong_type(path, self.describe, value)
         return value
@@ -418,8 +429,8 @@ class DataclassSpec(Spec):
         _check_depth(path, depth)
         keys = value.keys()
         if keys - self.names or self.required - keys:
-            extra = sorted(map(str, keys - self.names))
-            missing = sorted(self.required - keys)
+            extra = sorted(str(key)[:_KEY_QUOTE_LIMIT] for key in keys - self.names)[:_NAMES_LISTED]
+            missing = sorted(self.required - keys)[:_NAMES_LISTED]
             problems = [f"unexpected field(s) {extra}"] if extra else []
             problems += [f"missing field(s) {missing}"] if missing else []
             raise MalformedMessage(f"{path} ({self.describe}): {'; '.join(problems)}")
