@@ -1,0 +1,111 @@
+"""``skippipe node run``: start this machine's daemon (a new swarm, or join one)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from node.config import DEFAULT_HEARTBEAT_S, DEFAULT_HOST_MADDRS, DEFAULT_MEMORY_SLOTS, DEFAULT_RUN_ID, DaemonConfig, default_identity_path
+from node.errors import UserError
+
+__all__ = ["register", "add_node_run_arguments", "config_from_args"]
+
+#: hivemind logs at INFO by default; the daemon's own INFO lines are what an operator wants.
+HIVEMIND_LOG_LEVEL = "WARNING"
+
+
+def _stage_list(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stages wants comma-separated integers, got {text!r}") from None
+    if not stages or any(s < 0 for s in stages):
+        raise argparse.ArgumentTypeError(f"--stages wants non-negative integers, got {text!r}")
+    return stages
+
+
+def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``node run`` flags (shared with commands that start daemons, e.g. ``skippipe up``)."""
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                   help="multiaddrs (ending in /p2p/<id>) of swarm members to join through")
+    p.add_argument("--new-swarm", action="store_true", help="start a new swarm (the default without --initial-peers)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--stages", type=_stage_list, metavar="K[,K...]", help="stages this node holds, e.g. 0 or 2,3")
+    group.add_argument("--auto", action="store_true", help="join the stage with the fewest replicas (default)")
+    p.add_argument("--num-stages", type=int, help="stages of the run (new swarm only; default max(--stages)+1, at least 2)")
+    p.add_argument("--path-length", type=int, help="stages each microbatch visits, stage 0 included (new swarm; default all)")
+    p.add_argument("--microbatches", type=int, default=2, help="microbatches per data node per iteration (new swarm)")
+    p.add_argument("--memory-slots", type=int, default=DEFAULT_MEMORY_SLOTS, help="in-flight microbatches this node accepts")
+    p.add_argument("--host-maddrs", nargs="+", default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
+                   help="where p2pd listens (default %(default)s)")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR", help="public addresses to advertise")
+    p.add_argument("--gossip-port", type=int, default=0, help="TCP port of the gossip host (default: ephemeral)")
+    p.add_argument("--identity", type=Path, default=None,
+                   help=f"RSA identity file, created on first use (default {default_identity_path()})")
+    p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="name of the training run (default %(default)s)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--location", default=None, help="free-form location label shown to peers")
+    p.add_argument("--rpc-port", type=int, default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
+    p.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S,
+                   help="seconds between advert re-announcements (default %(default)s)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # Hidden knobs for tests and the local-swarm launcher.
+    p.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    if args.heartbeat <= 0:
+        raise UserError("--heartbeat must be positive")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda requested but no CUDA device is available")
+    return DaemonConfig(
+        run_id=args.run_id,
+        initial_peers=tuple(args.initial_peers),
+        new_swarm=args.new_swarm,
+        stages=None if args.auto or args.stages is None else tuple(args.stages),
+        num_stages=args.num_stages,
+        path_length=args.path_length,
+        microbatches_per_data_node=args.microbatches,
+        memory_slots=args.memory_slots,
+        host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs),
+        gossip_port=args.gossip_port,
+        identity_path=(args.identity or default_identity_path()).expanduser(),
+        device=args.device,
+        location=args.location,
+        rpc_port=None if args.rpc_port is not None and args.rpc_port < 0 else args.rpc_port,
+        protocol_version=args.protocol_version,
+        ready_file=args.ready_file,
+        heartbeat_s=args.heartbeat,
+    )
+
+
+def setup_logging(level: str) -> None:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", HIVEMIND_LOG_LEVEL)
+    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("libp2p", "multiaddr", "hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level)))
+
+
+def _run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    config = config_from_args(args)
+    from node.daemon import run_daemon  # heavy imports only when actually running
+
+    return run_daemon(config)
+
+
+def register(subparsers) -> None:
+    node = subparsers.add_parser("node", help="run this machine's swarm daemon")
+    sub = node.add_subparsers(dest="node_command", metavar="ACTION")
+    run = sub.add_parser("run", help="start the daemon: a new swarm, or join one with --initial-peers",
+                         description="Start the node daemon. Without --initial-peers it starts a new swarm and "
+                                     "prints the address others join with.")
+    add_node_run_arguments(run)
+    run.set_defaults(func=_run)
