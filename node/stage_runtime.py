@@ -81,6 +81,7 @@ class StageRuntime:
         self.optimizer = make_optimizer(self.module.parameters(), optim)
         self._in_flight: Dict[Hashable, _InFlight] = {}
         self.visits = 0  # microbatches whose backward ran here this iteration
+        self.peak_in_flight = 0  # most microbatches ever held at once (memory-slot check)
         self.reset_grads()
 
     # ---------------------------------------------------------------- forward / backward
@@ -92,8 +93,14 @@ class StageRuntime:
         """Apply this stage's layers; returns the activation to send on (detached)."""
         x = hidden.to(self.device).detach().requires_grad_(True)
         y = self.module(x)
-        self._in_flight[key] = _InFlight(x, y)
+        self._hold(key, _InFlight(x, y))
         return y.detach()
+
+    def _hold(self, key: Hashable, state: _InFlight) -> None:
+        if key in self._in_flight:
+            raise KeyError(f"microbatch {key!r} is already in flight here")
+        self._in_flight[key] = state
+        self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
 
     def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor:
         """Backward through the stored graph; returns d loss / d input and frees the microbatch."""
@@ -106,7 +113,7 @@ class StageRuntime:
     def start(self, key: Hashable, tokens: torch.Tensor) -> torch.Tensor:
         """Data node: embedding + stage-0 layers for a new microbatch."""
         y = self.module.embed(tokens.to(self.device))
-        self._in_flight[key] = _InFlight(None, y)
+        self._hold(key, _InFlight(None, y))
         return y.detach()
 
     def loss_backward(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[float, torch.Tensor]:
