@@ -98,6 +98,10 @@ class IterationStats:
     active_nodes: int  # members that published their norm this iteration
     local_visits: int
     averaged: Optional[bool]  # None: nothing to average (single replica or no visits)
+    microbatch_s: float = 0.0  # until IterationDone from every data node
+    averaging_s: float = 0.0
+    norm_exchange_s: float = 0.0
+    step_s: float = 0.0
 
 
 class SchedulePlan:
@@ -469,13 +473,16 @@ class TrainerNode:
             logger.warning("%s: processed %d microbatches, data nodes report %d", self.node_name,
                            self.runtime.visits, expected)
 
+        t_mb = time.perf_counter()
         averaged = await self._average(st)
+        t_avg = time.perf_counter()
         loss_sum = float(sum(st.losses))
         record = {"stage": self.stage, "sq": self.runtime.grad_squared_norm(), "loss_sum": loss_sum,
                   "n_mb": len(st.losses), "tokens": st.tokens if self.is_data_node else 0}
         records = await self._exchange_norms(it, record)
         total_sq = self._global_squared_norm(records)
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
+        t_norm = time.perf_counter()
 
         def step() -> None:
             self.runtime.scale_grads(coef)
@@ -491,7 +498,9 @@ class TrainerNode:
             loss=sum(float(r.get("loss_sum", 0.0)) for r in records.values()) / max(n_mb, 1),
             microbatches=n_mb, tokens=sum(int(r.get("tokens", 0)) for r in records.values()),
             seconds=time.perf_counter() - t0, grad_norm=math.sqrt(total_sq), clip_coef=coef,
-            active_nodes=len(records), local_visits=expected, averaged=averaged)
+            active_nodes=len(records), local_visits=expected, averaged=averaged,
+            microbatch_s=t_mb - t0, averaging_s=t_avg - t_mb, norm_exchange_s=t_norm - t_avg,
+            step_s=time.perf_counter() - t_norm)
         self.history.append(stats)
         if self.checkpoints and self.cfg.checkpoint_every > 0 and (it + 1) % self.cfg.checkpoint_every == 0:
             await self.save_checkpoint()

@@ -1,0 +1,121 @@
+"""Iteration time and tokens/s of the local swarm (full path vs skip schedule) vs single-process training.
+
+Everything runs on this machine: the swarm is the in-process harness of ``skippipe up`` (one p2pd +
+hivemind DHT per node, real libp2p streams and DecentralizedAverager), the baseline is
+:class:`node.reference.ReferenceTrainer` (the same model, batches and optimizer, no network).
+Every configuration processes the same number of microbatches per iteration, so tokens/s are
+comparable; ratios are swarm / single-process. On a machine with few cores the swarm's nodes share
+them, so this measures protocol + scheduling overhead, not the speed-up of real distributed GPUs.
+
+    python bench/train_local.py [--model tiny|small] [--iterations 8] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from node.commands.up import LocalSwarm, build_schedule  # noqa: E402
+from node.data import DataConfig, load_splits  # noqa: E402
+from node.model import model_config  # noqa: E402
+from node.reference import ReferenceTrainer  # noqa: E402
+from node.stage_runtime import OptimConfig  # noqa: E402
+from node.trainer import TrainerConfig  # noqa: E402
+
+DATA_NODES = 2
+MICROBATCHES = 4  # per data node per iteration
+MEMORY = 2
+SKIP_PATH_LENGTH = 4
+SKIP_REPLICAS = [2, 2, 1, 1, 1]
+
+
+@dataclass
+class Result:
+    name: str
+    iteration_s: float  # median over measured iterations
+    tokens_per_s: float
+
+
+def _median_result(name: str, seconds: List[float], tokens_per_iter: int) -> Result:
+    med = statistics.median(seconds)
+    return Result(name, med, tokens_per_iter / med)
+
+
+def bench_reference(name, cfg, splits, schedule, iterations, warmup, threads) -> Result:
+    torch.set_num_threads(threads)
+    ref = ReferenceTrainer(cfg.model, cfg.optim, cfg.data, splits, schedule, seed=cfg.seed)
+    times = []
+    for i in range(warmup + iterations):
+        t = time.perf_counter()
+        ref.train_iteration()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    n_mb = sum(len(ref.plan.routes_for(d)) for d in ref.plan.data_nodes)
+    return _median_result(name, times, n_mb * cfg.data.microbatch_size * cfg.data.seq_len)
+
+
+async def bench_swarm(name, cfg, splits, schedule, iterations, warmup) -> Result:
+    async with LocalSwarm(schedule, cfg, splits) as swarm:
+        stats = await swarm.train(warmup + iterations)
+    measured = stats[warmup:]
+    return _median_result(name, [s.seconds for s in measured], measured[0].tokens)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    mcfg = model_config(args.model)
+    data = DataConfig(seq_len=min(mcfg.context, 128), microbatch_size=8)
+    cfg = TrainerConfig(run_id=f"bench-{args.model}", model=mcfg, optim=OptimConfig(), data=data)
+    splits = load_splits(data)
+    S = mcfg.n_stages
+    full = build_schedule(S, DATA_NODES, [1] * (S - 1), S, MICROBATCHES, MEMORY)
+    skip = build_schedule(S, DATA_NODES, SKIP_REPLICAS, SKIP_PATH_LENGTH, MICROBATCHES, MEMORY, reorder=True)
+    cores = os.cpu_count() or 1
+
+    results = [
+        bench_reference("single-process, full model", cfg, splits, full, args.iterations, args.warmup, cores),
+        bench_reference(f"single-process, skip paths (k={1 - SKIP_PATH_LENGTH / S:.2f})", cfg, splits, skip,
+                        args.iterations, args.warmup, cores),
+    ]
+    results.append(asyncio.run(bench_swarm(f"swarm full path ({DATA_NODES + S - 1} nodes)", cfg, splits, full,
+                                           args.iterations, args.warmup)))
+    results.append(asyncio.run(bench_swarm(
+        f"swarm skip schedule ({DATA_NODES + sum(SKIP_REPLICAS)} nodes, path {SKIP_PATH_LENGTH}/{S})", cfg, splits,
+        skip, args.iterations, args.warmup)))
+
+    base = results[0]
+    tokens = MICROBATCHES * DATA_NODES * data.microbatch_size * data.seq_len
+    print(f"model {args.model} ({S} stages x {mcfg.layers_per_stage} layers, d {mcfg.d_model}), {DATA_NODES} data "
+          f"nodes x {MICROBATCHES} microbatches x {data.microbatch_size} x {data.seq_len} tokens = {tokens} "
+          f"tokens/iteration; {cores} CPU cores; median of {args.iterations} iterations after {args.warmup} warm-up")
+    print(f"{'configuration':58s} {'s/iter':>8s} {'tokens/s':>10s} {'time ratio':>11s} {'tok/s ratio':>12s}")
+    for r in results:
+        print(f"{r.name:58s} {r.iteration_s:8.3f} {r.tokens_per_s:10.0f} {r.iteration_s / base.iteration_s:11.2f} "
+              f"{r.tokens_per_s / base.tokens_per_s:12.2f}")
+    swarm_full, swarm_skip = results[2], results[3]
+    print(f"swarm skip / swarm full iteration time: {swarm_skip.iteration_s / swarm_full.iteration_s:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ for r in results], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
