@@ -130,6 +130,7 @@ class Coordinator:
         self.status = "waiting for members"
         self._pending: dict[tuple[int, str], ScheduleEpoch] = {}
         self._stale_since: float | None = None
+        self._stale_target: frozenset = frozenset()
         self._computing = False
         self.epochs_issued = 0
 
@@ -155,8 +156,10 @@ class Coordinator:
             self.status = "up to date"
             return
         now = time.monotonic()
-        if self._stale_since is None:
-            self._stale_since = now
+        if self._stale_since is None or target != self._stale_target:
+            # Take-over delays count from the latest membership change, so a backup does not
+            # pre-empt a primary that has only just become ONLINE.
+            self._stale_since, self._stale_target = now, target
         missing = [s for s in range(self.run.num_stages) if s not in assignment.values()]
         if missing:
             self.status = f"waiting: no ONLINE node holds stage(s) {missing}"

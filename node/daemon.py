@@ -77,6 +77,8 @@ EPOCH_DHT_POLL_HEARTBEATS = 3
 JOINING_HEARTBEATS = 1
 #: Seconds a DRAINING node waits so peers see the state before it leaves.
 DRAIN_GRACE_S = 0.5
+#: Seconds hivemind gives the DHT process to exit on its own (it is killed after that anyway).
+DHT_GRACEFUL_SHUTDOWN_S = 1.0
 #: Seconds to wait for the forked DHT process to exit before it is killed.
 DHT_SHUTDOWN_TIMEOUT_S = 5.0
 #: Default number of stages of a new swarm when neither --stages nor --num-stages says.
@@ -286,6 +288,7 @@ class Daemon:
                 initial_peers=list(cfg.initial_peers) or None,
                 start=True,
                 record_validators=make_record_validators(self.identity.private_key),
+                shutdown_timeout=DHT_GRACEFUL_SHUTDOWN_S,
             )
 
         try:

@@ -1,0 +1,310 @@
+"""Start and stop N ``skippipe node run`` daemons on 127.0.0.1 (development, tests, benchmarks).
+
+Each daemon runs in its **own process group** (``start_new_session=True``). A daemon has
+children of its own (p2pd, the forked DHT process) that die with it only on a clean shutdown, so
+stopping or killing always targets the whole group: SIGTERM to the group first (a clean leave),
+then SIGKILL to whatever is left. That is what keeps p2pd processes from being orphaned, also
+when a test SIGKILLs a node on purpose.
+
+Readiness is reported by each daemon through a JSON ``--ready-file`` (status incl. peer id,
+multiaddrs and RPC port), which avoids parsing human-oriented stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from node.errors import UserError
+
+__all__ = ["LocalNode", "LocalSwarm", "stage_layout", "process_group_members"]
+
+#: Seconds a node gets to come up (p2pd + DHT + gossip on a loaded 2-core box).
+DEFAULT_START_TIMEOUT_S = 90.0
+#: Seconds between SIGTERM and SIGKILL of a node's process group.
+DEFAULT_STOP_GRACE_S = 15.0
+_POLL_S = 0.1
+
+
+def stage_layout(stage_sizes: Sequence[int]) -> list[int]:
+    """Stage of each node index: ``[2, 1, 1] -> [0, 0, 1, 2]``."""
+    out = []
+    for stage, size in enumerate(stage_sizes):
+        if size < 1:
+            raise UserError(f"--stage-sizes entries must be >= 1, got {list(stage_sizes)}")
+        out.extend([stage] * size)
+    return out
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live pids in process group ``pgid`` (from /proc; zombies excluded)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            rest = stat[stat.rindex(")") + 2 :].split()
+            state, pg = rest[0], int(rest[2])
+        except (OSError, ValueError, IndexError):
+            continue
+        if pg == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@dataclass
+class LocalNode:
+    """One daemon process of a local swarm."""
+
+    index: int
+    stage: int
+    workdir: Path
+    args: list[str]
+    proc: subprocess.Popen | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def identity_path(self) -> Path:
+        return self.workdir / "identity.key"
+
+    @property
+    def ready_file(self) -> Path:
+        return self.workdir / "ready.json"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "node.log"
+
+    @property
+    def peer_id(self) -> str:
+        return self.info.get("peer_id", "")
+
+    @property
+    def rpc_url(self) -> str:
+        return f"http://127.0.0.1:{self.info['rpc_port']}"
+
+    @property
+    def maddr(self) -> str:
+        return self.info["maddrs"][0]
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def group_pids(self) -> list[int]:
+        return process_group_members(self.proc.pid) if self.proc is not None else []
+
+
+class LocalSwarm:
+    """N daemons on loopback; node 0 founds the swarm, the rest join through it.
+
+    ``extra_args`` is appended to every ``skippipe node run`` (a list, or a function of the node
+    index), e.g. the trainer's ``--train ...`` flags.
+    """
+
+    def __init__(
+        self,
+        n_nodes: int,
+        stage_sizes: Sequence[int] | None = None,
+        *,
+        base_dir: Path,
+        run_id: str = "local",
+        heartbeat_s: float = 1.0,
+        path_length: int | None = None,
+        extra_args: Sequence[str] | Callable[[int], Sequence[str]] = (),
+        python: str = sys.executable,
+        env: dict | None = None,
+    ):
+        if n_nodes < 1:
+            raise UserError("--nodes must be at least 1")
+        # Default: two stages, data nodes (stage 0) getting the larger half.
+        sizes = list(stage_sizes) if stage_sizes else ([n_nodes - n_nodes // 2, n_nodes // 2] if n_nodes > 1 else [1])
+        layout = stage_layout(sizes)
+        if len(layout) != n_nodes:
+            raise UserError(f"--stage-sizes {sizes} add up to {len(layout)} nodes, not --nodes {n_nodes}")
+        self.stage_sizes = sizes
+        self.base_dir = Path(base_dir)
+        self.run_id = run_id
+        self.heartbeat_s = heartbeat_s
+        self.path_length = path_length
+        self.python = python
+        self.env = dict(os.environ if env is None else env)
+        self._extra = extra_args
+        self.nodes = [
+            LocalNode(index=i, stage=layout[i], workdir=self.base_dir / f"node{i}", args=[]) for i in range(n_nodes)
+        ]
+
+    # ------------------------------------------------------------------ commands
+    def command(self, node: LocalNode, initial_peers: Sequence[str] = ()) -> list[str]:
+        args = [
+            self.python, "-m", "node", "node", "run",
+            "--run-id", self.run_id,
+            "--stages", str(node.stage),
+            "--num-stages", str(len(self.stage_sizes)),
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--identity", str(node.identity_path),
+            "--rpc-port", "0",
+            "--heartbeat", str(self.heartbeat_s),
+            "--ready-file", str(node.ready_file),
+        ]  # fmt: skip
+        if self.path_length is not None:
+            args += ["--path-length", str(self.path_length)]
+        if initial_peers:
+            args += ["--initial-peers", *initial_peers]
+        extra = self._extra(node.index) if callable(self._extra) else self._extra
+        return args + list(extra)
+
+    @property
+    def bootstrap_maddr(self) -> str:
+        return self.nodes[0].maddr
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Start node 0, wait for it, then start the rest in parallel and wait for all."""
+        try:
+            self.spawn(self.nodes[0])
+            self.wait_ready([self.nodes[0]], timeout)
+            for node in self.nodes[1:]:
+                self.spawn(node)
+            self.wait_ready(self.nodes[1:], timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def spawn(self, node: LocalNode, initial_peers: Sequence[str] | None = None) -> None:
+        node.workdir.mkdir(parents=True, exist_ok=True)
+        node.ready_file.unlink(missing_ok=True)
+        node.info = {}
+        if initial_peers is None:
+            initial_peers = [] if node.index == 0 and not self.nodes[0].info else [self._any_live_maddr(node)]
+        node.args = self.command(node, initial_peers)
+        log = open(node.log_path, "ab")
+        try:
+            node.proc = subprocess.Popen(
+                node.args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
+            )
+        finally:
+            log.close()
+
+    def _any_live_maddr(self, joining: LocalNode) -> str:
+        for node in self.nodes:
+            if node is not joining and node.alive and node.info:
+                return node.maddr
+        raise UserError("no live node to join through")
+
+    def wait_ready(self, nodes: Sequence[LocalNode], timeout: float = DEFAULT_START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(nodes)
+        while pending:
+            for node in list(pending):
+                if node.ready_file.exists():
+                    try:
+                        node.info = json.loads(node.ready_file.read_text())
+                        pending.remove(node)
+                        continue
+                    except (OSError, ValueError):
+                        pass
+                if not node.alive:
+                    raise UserError(f"node {node.index} exited during start-up: {self.last_error(node)}")
+            if pending and time.monotonic() > deadline:
+                raise UserError(f"nodes {[n.index for n in pending]} not ready after {timeout:.0f} s")
+            time.sleep(_POLL_S)
+
+    def last_error(self, node: LocalNode) -> str:
+        try:
+            lines = node.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "no log"
+        errors = [line for line in lines if line.startswith("error:")]
+        return (errors or lines or ["no output"])[-1]
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Signal node ``index``'s whole process group (SIGKILL: simulate a crash)."""
+        node = self.nodes[index]
+        if node.proc is None:
+            return
+        try:
+            os.killpg(node.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            node.proc.wait()
+            self._reap_group(node, 5.0)
+
+    def restart(self, index: int, timeout: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Start node ``index`` again with the same identity (it must have stopped)."""
+        node = self.nodes[index]
+        if node.alive:
+            raise UserError(f"node {index} is still running")
+        self.spawn(node, [self._any_live_maddr(node)])
+        self.wait_ready([node], timeout)
+
+    def stop_node(self, index: int, grace: float = DEFAULT_STOP_GRACE_S) -> None:
+        node = self.nodes[index]
+        if node.proc is None:
+            return
+        if node.alive:
+            try:
+                os.killpg(node.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            node.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        self._reap_group(node, 0.0)
+
+    def stop(self, grace: float = DEFAULT_STOP_GRACE_S) -> None:
+        """SIGTERM every node's group, wait up to ``grace``, then SIGKILL what is left."""
+        for node in self.nodes:
+            if node.alive:
+                try:
+                    os.killpg(node.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for node in self.nodes:
+            if node.proc is None:
+                continue
+            try:
+                node.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for node in self.nodes:
+            if node.proc is not None:
+                self._reap_group(node, 2.0)
+
+    def _reap_group(self, node: LocalNode, wait_s: float) -> None:
+        """Give the group's remaining members ``wait_s`` to exit, then SIGKILL the group."""
+        deadline = time.monotonic() + wait_s
+        while node.group_pids() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if node.group_pids():
+            try:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if node.proc.poll() is None:
+            node.proc.kill()
+            node.proc.wait()
+
+    def __enter__(self) -> "LocalSwarm":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
