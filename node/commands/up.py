@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from node.errors import UserError
 
-__all__ = ["register", "build_schedule", "LocalSwarm", "UpOptions", "run_up"]
+__all__ = ["register", "build_schedule", "scheduler_schedule", "LocalSwarm", "UpOptions", "run_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,29 @@ def build_schedule(n_stages: int, data_nodes: int, replicas: Sequence[int], path
     n = nxt
     return {"stages": stages, "path_length": path_length, "memory": memory, "paths": paths,
             "cost": {"compute_s": [0.0] * n, "link_s": [[0.0] * n for _ in range(n)]}}
+
+
+#: Loopback cost model handed to the SkipPipe path scheduler by ``skippipe up``: all nodes equal,
+#: every link equal (seconds per microbatch); only the relative sizes matter to the search.
+LOOPBACK_COMPUTE_S = 0.01
+LOOPBACK_LINK_S = 0.002
+SCHEDULER_BUDGET_S = 2.0
+
+
+def scheduler_schedule(builtin: dict, path_length: int, microbatches: int, memory: int, seed: int = 0) -> dict:
+    """Same allocation as ``builtin``, paths from :func:`scheduler.paths.schedule_paths`."""
+    from scheduler.cost import CostMatrix
+    from scheduler.paths import schedule_paths
+
+    n = sum(len(s) for s in builtin["stages"])
+    cost = CostMatrix(tuple([LOOPBACK_COMPUTE_S] * n),
+                      tuple(tuple(0.0 if i == j else LOOPBACK_LINK_S for j in range(n)) for i in range(n)))
+    try:
+        sched = schedule_paths(builtin["stages"], cost, path_length, microbatches, memory, seed=seed,
+                               budget_s=SCHEDULER_BUDGET_S)
+    except Exception as e:  # ScheduleError names the violated constraint
+        raise UserError(f"the path scheduler found no schedule: {e}")
+    return sched.to_json()
 
 
 class LocalSwarm:
@@ -203,6 +226,7 @@ class UpOptions:
     checkpoint_every: int = 10
     resume: bool = False
     reorder: bool = True
+    scheduler: str = "skippipe"  # "skippipe" (scheduler.paths) or "builtin" (build_schedule)
     quiet: bool = False
 
 
@@ -285,6 +309,10 @@ async def run_up(opts: UpOptions) -> dict:
     replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
     schedule = build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches,
                               opts.memory, reorder=opts.reorder)
+    if opts.scheduler == "skippipe":
+        schedule = scheduler_schedule(schedule, opts.path_length, opts.microbatches, opts.memory, opts.seed)
+    elif opts.scheduler != "builtin":
+        raise UserError(f"unknown scheduler {opts.scheduler!r}; choose 'skippipe' or 'builtin'")
     config = TrainerConfig(run_id="up", model=mcfg, optim=OptimConfig(lr=opts.lr), data=data_cfg, seed=opts.seed,
                            checkpoint_dir=str(out / "checkpoints"), checkpoint_every=opts.checkpoint_every,
                            resume=opts.resume)
@@ -292,7 +320,8 @@ async def run_up(opts: UpOptions) -> dict:
     n_nodes = sum(len(s) for s in schedule["stages"])
     if not opts.quiet:
         print(f"starting a local swarm: bootstrap + {n_nodes} nodes ({opts.data_nodes} data nodes, stage replicas "
-              f"{replicas}), model {opts.model}, path length {opts.path_length}/{mcfg.n_stages}, corpus {opts.corpus}",
+              f"{replicas}), model {opts.model}, path length {opts.path_length}/{mcfg.n_stages}, corpus {opts.corpus}, "
+              f"{opts.scheduler} schedule",
               file=sys.stderr)
     progress = _Progress(opts.iterations, quiet=opts.quiet)
     t_start = time.perf_counter()
@@ -316,7 +345,7 @@ async def run_up(opts: UpOptions) -> dict:
     summary = {
         "iterations": opts.iterations, "resumed_from": first, "nodes": n_nodes, "data_nodes": opts.data_nodes,
         "replicas": replicas, "path_length": opts.path_length, "n_stages": mcfg.n_stages, "model": opts.model,
-        "corpus": opts.corpus, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "corpus": opts.corpus, "scheduler": opts.scheduler, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
         "val_loss_before": val_before, "val_loss_after": val_after,
         "tokens_per_s": sum(s.tokens for s in stats) / max(train_s, 1e-9),
         "mean_iteration_s": train_s / max(len(stats), 1), "startup_s": t_ready - t_start,
@@ -332,7 +361,7 @@ def _handler(args: argparse.Namespace) -> int:
                      data_nodes=args.data_nodes, replicas=args.replicas, path_length=args.path_length,
                      microbatches=args.microbatches, microbatch_size=args.microbatch_size, memory=args.memory,
                      lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                     reorder=not args.no_reorder, quiet=args.quiet)
+                     reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
@@ -371,6 +400,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
-    p.add_argument("--no-reorder", action="store_true", help="keep every path in stage order")
+    p.add_argument("--scheduler", default="skippipe", choices=["skippipe", "builtin"],
+                   help="paths from the SkipPipe path scheduler (default) or a fixed round-robin of stage subsets")
+    p.add_argument("--no-reorder", action="store_true", help="builtin scheduler: keep every path in stage order")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_handler)
