@@ -1,0 +1,190 @@
+"""``skippipe plan`` and ``skippipe simulate``: offline scheduling and schedule evaluation.
+
+``plan`` builds a cost model from a location profile, allocates nodes to stages, schedules the
+SkipPipe paths and the baselines, and prints their simulated iteration times. ``simulate``
+validates and simulates any schedule JSON (see ``docs/scheduler.md``), e.g. hand-written paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from node.errors import UserError
+from scheduler.allocation import allocate
+from scheduler.compare import compare_variants
+from scheduler.cost import CostParams, LinkProfile, ModelShape, build_cost, nodes_round_robin
+from scheduler.errors import ScheduleError
+from scheduler.routes import RouteLimits
+from scheduler.schedule import load_schedule
+from scheduler.simulator import simulate
+from scheduler.validate import validate_schedule
+
+__all__ = ["register", "run_plan", "run_simulate"]
+
+#: Share of ``--budget-s`` given to the allocation search; the rest goes to the path search.
+ALLOCATION_BUDGET_SHARE = 0.25
+
+LABELS = {
+    "full_pipeline": "full pipeline (DT-FM)",
+    "random_skip": "random skip",
+    "skippipe_no_tc2": "SkipPipe without TC2",
+    "skippipe": "SkipPipe",
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return out
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="schedule SkipPipe paths offline and compare with the baselines",
+        description="Allocate nodes to stages over a latency/bandwidth profile, schedule skip-aware paths, "
+        "and print the simulated iteration time of the full pipeline, random skip, SkipPipe without TC2 "
+        "(collision awareness) and SkipPipe.",
+    )
+    p.add_argument("--profile", required=True, metavar="FILE", help="location profile JSON (latency ms, bandwidth GiB/s)")
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes (assigned to locations round-robin)")
+    p.add_argument("--stage-sizes", type=_int_list, required=True, metavar="N0,N1,...", help="replicas per stage; stage 0 = data nodes")
+    p.add_argument("--path-length", type=int, required=True, help="stages each microbatch visits, stage 0 included")
+    p.add_argument("--microbatches", type=int, default=6, help="microbatches per data node per iteration (default 6)")
+    p.add_argument("--samples", type=int, default=8, help="samples per microbatch (default 8)")
+    p.add_argument("--layers-per-stage", type=int, default=4, help="layers per stage (default 4)")
+    p.add_argument("--d-model", type=int, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
+    p.add_argument("--bytes-per-element", type=int, default=4, help="activation bytes per element (default 4, fp32)")
+    p.add_argument("--memory", type=int, default=3, help="in-flight microbatches per node (default 3)")
+    p.add_argument("--hop-overhead-s", type=float, default=CostParams().hop_overhead_s, help="fixed seconds per transfer (default 0.35)")
+    p.add_argument("--max-swaps", type=int, default=RouteLimits().max_swaps, help="reorderings per route (default 2)")
+    p.add_argument("--max-jump", type=int, default=RouteLimits().max_jump, help="largest forward stage jump (default 4)")
+    p.add_argument("--locations", default=None, metavar="A,B,...", help="location of each node instead of round-robin")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    p.add_argument("--budget-s", type=float, default=2.0, help="wall-clock cap for allocation + path search (default 2)")
+    p.add_argument(
+        "--json", nargs="?", const="-", default=None, metavar="FILE",
+        help="write the SkipPipe schedule plus results as JSON to FILE (or stdout, replacing the table)",
+    )
+    p.set_defaults(func=run_plan)
+
+    s = subparsers.add_parser(
+        "simulate",
+        help="validate and simulate a schedule JSON",
+        description="Check a schedule (see docs/scheduler.md) against every constraint and print its simulated "
+        "iteration time and per-node utilisation. Invalid schedules are rejected naming the violated constraint.",
+    )
+    s.add_argument("schedule", metavar="SCHEDULE.json")
+    s.add_argument("--microbatches", type=int, default=None, help="require this many microbatches per data node")
+    s.add_argument("--json", action="store_true", help="print the results as JSON")
+    s.set_defaults(func=run_simulate)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        profile = LinkProfile.load(args.profile)
+        locations = [x.strip() for x in args.locations.split(",")] if args.locations else None
+        nodes = nodes_round_robin(profile, args.nodes, args.memory, locations)
+        shape = ModelShape(args.layers_per_stage, args.d_model, args.seq_len, args.samples, args.bytes_per_element)
+        for name, value in (("--layers-per-stage", shape.layers_per_stage), ("--samples", shape.samples_per_microbatch),
+                            ("--d-model", shape.d_model), ("--seq-len", shape.seq_len), ("--bytes-per-element", shape.bytes_per_element),
+                            ("--microbatches", args.microbatches), ("--memory", args.memory)):
+            if value < 1:
+                raise UserError(f"{name} must be >= 1")
+        if args.budget_s <= 0:
+            raise UserError("--budget-s must be > 0")
+        cost = build_cost(nodes, profile, shape, CostParams(hop_overhead_s=args.hop_overhead_s))
+        limits = RouteLimits(max_swaps=args.max_swaps, max_jump=args.max_jump)
+        t0 = time.perf_counter()
+        alloc = allocate(cost, args.stage_sizes, args.seed, args.budget_s * ALLOCATION_BUDGET_SHARE)
+        t_alloc = time.perf_counter() - t0
+        cmp = compare_variants(
+            alloc.stages, cost, args.path_length, args.microbatches, args.memory, args.seed,
+            args.budget_s * (1 - ALLOCATION_BUDGET_SHARE), limits=limits,
+        )
+    except ScheduleError as e:
+        raise UserError(str(e)) from None
+    t_paths = cmp.variants["skippipe"].wall_s
+    S = len(args.stage_sizes)
+    results = {
+        "setting": {
+            "profile": profile.name, "nodes": args.nodes, "stage_sizes": args.stage_sizes,
+            "path_length": args.path_length, "skip_ratio": 1 - args.path_length / S,
+            "microbatches_per_data_node": args.microbatches, "samples_per_microbatch": args.samples,
+            "layers_per_stage": args.layers_per_stage, "memory": args.memory, "seed": args.seed, "budget_s": args.budget_s,
+        },
+        "variants": cmp.to_json(),
+        "allocation_wall_s": t_alloc,
+        "scheduler_wall_s": t_alloc + t_paths,
+        "path_search": {"iterations": cmp.report.iterations, "budget_hit": cmp.report.budget_hit or alloc.budget_hit},
+    }
+    doc = cmp.variants["skippipe"].schedule.to_json()
+    doc["results"] = results
+    if args.json is not None:
+        text = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(text)
+            return 0
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            raise UserError(f"cannot write {args.json}: {e.strerror or e}") from None
+    print(
+        f"{args.nodes} nodes on {profile.name}, stages {args.stage_sizes}, path length {args.path_length} of {S} "
+        f"(skip ratio {1 - args.path_length / S:.0%}), {args.microbatches} microbatches x {args.samples} samples "
+        f"per data node, memory {args.memory}, seed {args.seed}"
+    )
+    for s, nodes_s in enumerate(alloc.stages):
+        print(f"  stage {s}: {list(nodes_s)}")
+    print(f"{'variant':<24}{'iteration (s)':>15}{'vs full':>10}")
+    for name in ("full_pipeline", "random_skip", "skippipe_no_tc2", "skippipe"):
+        print(f"{LABELS[name]:<24}{cmp.time_s(name):>15.2f}{cmp.ratio(name):>10.3f}")
+    print(
+        f"SkipPipe / full = {cmp.ratio('skippipe'):.3f}, SkipPipe / random skip = {cmp.ratio('skippipe', 'random_skip'):.3f}, "
+        f"SkipPipe / no TC2 = {cmp.ratio('skippipe', 'skippipe_no_tc2'):.3f}"
+    )
+    print(
+        f"scheduler wall time: allocation {t_alloc:.2f} s + paths {t_paths:.2f} s = {t_alloc + t_paths:.2f} s"
+        + (" (budget cap hit)" if results["path_search"]["budget_hit"] else "")
+    )
+    if args.json not in (None, "-"):
+        print(f"schedule and results written to {args.json}")
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    try:
+        sched = load_schedule(args.schedule)
+        validate_schedule(sched, microbatches_per_data_node=args.microbatches)
+    except ScheduleError as e:
+        raise UserError(f"invalid schedule {args.schedule}: {e}") from None
+    if sched.cost is None:
+        raise UserError(f"invalid schedule {args.schedule}: cost: no 'cost' (compute_s, link_s) to simulate with")
+    res = simulate(sched)
+    T = res.iteration_time_s
+    busy = {v: res.busy_s[v] for s in sched.stages for v in s}
+    if args.json:
+        print(json.dumps({
+            "iteration_time_s": T,
+            "finish_s": {str(d): t for d, t in res.finish_s.items()},
+            "busy_s": {str(v): b for v, b in busy.items()},
+            "utilisation": {str(v): (b / T if T > 0 else 0.0) for v, b in busy.items()},
+        }, indent=1))
+        return 0
+    total = sum(p.microbatches for p in sched.paths)
+    print(f"valid schedule: {len(sched.stages)} stages, path length {sched.path_length}, memory {sched.memory}, "
+          f"{total} microbatches in {len(sched.paths)} path entries")
+    print(f"simulated iteration time: {T:.2f} s")
+    for s, nodes_s in enumerate(sched.stages):
+        cells = ", ".join(f"{v}:{(busy[v] / T if T > 0 else 0):.0%}" for v in nodes_s)
+        print(f"  stage {s} busy: {cells}")
+    return 0
