@@ -429,6 +429,7 @@ def schedule_paths_report(
     load_weights: Sequence[float] = (0.25, 0.5, 1.0, 2.0),
     max_sequences: int = 20000,
     blind_orders: int = 8,
+    anneal_temperature: float = 0.0,
 ) -> tuple[Schedule, PathReport]:
     """:func:`schedule_paths` plus a :class:`PathReport`.
 
@@ -439,6 +440,8 @@ def schedule_paths_report(
         starting point; the best simulated one is refined).
     max_sequences: cap on enumerated stage orders (exponential in the path length).
     blind_orders: data-node orders tried by the collision-blind construction.
+    anneal_temperature: simulated-annealing start temperature as a fraction of the starting
+        iteration time (0: plain descent).
     """
     t0 = time.perf_counter()
     st, counts = normalise_request(stages, cost, path_length, microbatches_per_data_node, memory)
@@ -472,7 +475,7 @@ def schedule_paths_report(
     total = sum(counts.values())
     iters = max_iterations if max_iterations is not None else base_iterations + iterations_per_microbatch * total
     rng = random.Random(seed)
-    done, hit = _local_search(pb, cur, cur_obj, iters, rng, t0 + budget_s)
+    done, hit = _local_search(pb, cur, cur_obj, iters, rng, t0 + budget_s, anneal_temperature)
     final = _objective(cur, cost, memory)[0]
     sched = routes_to_schedule(st, cur, path_length, memory, cost, limits)
     validate_schedule(sched, microbatches_per_data_node=counts)
@@ -557,13 +560,22 @@ def _random_balanced(
 
 
 def _local_search(
-    pb: _Problem, cur: Routes, cur_obj: tuple[float, float], iterations: int, rng: random.Random, deadline: float
+    pb: _Problem,
+    cur: Routes,
+    cur_obj: tuple[float, float],
+    iterations: int,
+    rng: random.Random,
+    deadline: float,
+    temperature: float = 0.0,
 ) -> tuple[int, bool]:
     """Simulation-guided local search, in place on ``cur``. Returns (iterations done, budget hit).
 
     Accepts a move when the simulated iteration time does not get worse and the sum of data-node
     finish times does not either (the second term lets non-critical data nodes improve, which
-    frees the nodes the critical one needs).
+    frees the nodes the critical one needs). With ``temperature > 0`` a worse move is also
+    accepted with probability ``exp(-increase / T)``, ``T`` falling linearly from
+    ``temperature x`` the starting time to 0 (simulated annealing); the best schedule seen is
+    what ``cur`` holds at the end.
     """
     cost, memory = pb.cost, pb.memory
     mbs = [(d, i) for d in sorted(cur) for i in range(len(cur[d]))]
@@ -572,10 +584,18 @@ def _local_search(
     critical = _critical(cur, cost, memory)
     n_swapping = sum(pb.has_swap(r) for d in cur for r in cur[d])
     multi = [s for s in range(1, pb.S) if len(pb.stages[s]) > 1]
+    best_obj, best = cur_obj, {d: list(rs) for d, rs in cur.items()}
+    t_start = temperature * cur_obj[0]
+
+    def finish(done: int, hit: bool) -> tuple[int, bool]:
+        for d in cur:
+            cur[d][:] = best[d]
+        return done, hit
+
     done = 0
     for done in range(1, iterations + 1):
         if time.perf_counter() > deadline:
-            return done - 1, True
+            return finish(done - 1, True)
         # pick a microbatch, half the time one of the data node that finishes last
         if rng.random() < 0.5 and cur[critical]:
             d1, i1 = critical, rng.randrange(len(cur[critical]))
@@ -640,11 +660,18 @@ def _local_search(
         if ok:
             res = simulate_routes(cur, cost, memory)
             obj = (res.iteration_time_s, sum(res.finish_s.values()))
-            if obj[0] <= cur_obj[0] + 1e-9 and (obj[0] < cur_obj[0] - 1e-9 or obj[1] <= cur_obj[1] + 1e-9):
+            accept = obj[0] <= cur_obj[0] + 1e-9 and (obj[0] < cur_obj[0] - 1e-9 or obj[1] <= cur_obj[1] + 1e-9)
+            if not accept and t_start > 0 and math.isfinite(obj[0]):
+                T = t_start * (1.0 - done / iterations)
+                accept = T > 0 and rng.random() < math.exp(-(obj[0] - cur_obj[0]) / T)
+            if accept:
                 cur_obj = obj
                 n_swapping = new_swapping
                 critical = max(res.finish_s, key=lambda d: (res.finish_s[d], -d))
+                if obj < best_obj:
+                    best_obj = obj
+                    best = {d: list(rs) for d, rs in cur.items()}
                 continue
         for d, i, r in old:
             cur[d][i] = r
-    return done, False
+    return finish(done, False)
