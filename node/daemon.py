@@ -73,6 +73,8 @@ PROBE_TIMEOUT_S = 5.0
 EPOCH_RECORD_TTL_S = 3600.0
 #: Look for a newer epoch in the DHT every this many heartbeats (gossip is the fast path).
 EPOCH_DHT_POLL_HEARTBEATS = 3
+#: Store durations of margin in the advert lifetime (see Daemon.advert_ttl_s).
+TTL_STORE_MARGIN = 3.0
 #: A JOINING node turns ONLINE after this many successful heartbeats.
 JOINING_HEARTBEATS = 1
 #: Seconds a DRAINING node waits so peers see the state before it leaves.
@@ -186,6 +188,9 @@ class Daemon:
         self._stopped = asyncio.Event()
         self._stopping = False
         self._heartbeats = 0
+        #: Seconds the last announce / view refresh took (exposed in status: load indicator).
+        self.last_announce_s = 0.0
+        self.last_refresh_s = 0.0
         self._refresh_now = asyncio.Event()
         self._probe_cursor = 0
         self._gossip_dialing: set[str] = set()
@@ -203,6 +208,23 @@ class Daemon:
     async def add_p2p_handler(self, name: str, handler) -> None:
         """Register a hivemind binary stream handler ``handler(stream_info, reader, writer)``."""
         await self.p2p.add_binary_stream_handler(name, handler)
+
+    async def ensure_connected(self, peer_id: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+        """Make p2pd connect to ``peer_id`` through the maddrs of its advert.
+
+        Uses hivemind's p2pd client directly (``P2P._client``; hivemind is pinned at 1.1.12),
+        because ``P2P`` has no public connect. Returns False if unknown or unreachable.
+        """
+        entry = self.view.get(peer_id) if self.view is not None else None
+        if entry is None or self.p2p is None:
+            return False
+        addrs = [Multiaddr(m.split("/p2p/")[0]) for m in entry.advert.maddrs]
+        try:
+            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addrs), timeout)
+            return True
+        except Exception as e:  # noqa: BLE001 - unreachable peers are routine
+            logger.debug("connect to %s failed: %r", peer_id, e)
+            return False
 
     def advert(self) -> StageAdvert:
         cfg = self.config
@@ -332,6 +354,7 @@ class Daemon:
         await self._adopt_epoch_from_dht()
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._view_loop(), name="view"),
             asyncio.create_task(self._probe_loop(), name="link-probes"),
         ]
         for service in self.services:
@@ -501,32 +524,64 @@ class Daemon:
 
     # ------------------------------------------------------------------ loops
     async def _heartbeat_loop(self) -> None:
+        """Re-announce our adverts on a fixed beat, never delayed by view or schedule work.
+
+        Under load (20 daemons on 2 cores) a combined loop took longer than the advert TTL and
+        healthy peers flapped out of each other's views; so announcing has its own loop.
+        """
         cfg = self.config
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._refresh_now.wait(), timeout=cfg.heartbeat_s)
-            self._refresh_now.clear()
+            t0 = time.monotonic()
             try:
                 self._heartbeats += 1
-                if self.state == "JOINING" and self._heartbeats >= JOINING_HEARTBEATS:
+                if self.state == "JOINING" and self._heartbeats > JOINING_HEARTBEATS:
                     self.state = "ONLINE"
                     await self._announce()
                     self._gossip_event("join")
                 else:
                     await self._announce()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - one failed heartbeat must not kill the daemon
+                logger.exception("advert announce failed")
+            self.last_announce_s = time.monotonic() - t0
+            await asyncio.sleep(max(0.0, cfg.heartbeat_s - self.last_announce_s))
+
+    async def _view_loop(self) -> None:
+        """Refresh the view, keep gossip connections, and drive the coordinator."""
+        cfg = self.config
+        rounds = 0
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._refresh_now.wait(), timeout=cfg.heartbeat_s)
+            self._refresh_now.clear()
+            t0 = time.monotonic()
+            try:
+                rounds += 1
                 await self._refresh_view()
                 await self._maintain_gossip()
-                if self._heartbeats % EPOCH_DHT_POLL_HEARTBEATS == 0:
+                if rounds % EPOCH_DHT_POLL_HEARTBEATS == 0:
                     await self._adopt_epoch_from_dht()
                 await self.coordinator.tick()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - one failed heartbeat must not kill the daemon
-                logger.exception("heartbeat failed")
+            except Exception:  # noqa: BLE001
+                logger.exception("view refresh failed")
+            self.last_refresh_s = time.monotonic() - t0
+
+    def advert_ttl_s(self) -> float:
+        """Advert lifetime: the configured TTL, stretched when stores are slow.
+
+        The next advert lands one heartbeat plus one store duration after this one was sent, so
+        a lifetime shorter than ``heartbeat + 2 x store time`` makes a healthy node flap out of
+        views on an overloaded machine; we keep a margin of 3 store durations.
+        """
+        cfg = self.config
+        return max(cfg.advert_ttl_s, cfg.heartbeat_s + TTL_STORE_MARGIN * self.last_announce_s)
 
     async def _announce(self) -> None:
         advert = self.advert()
-        ttl = self.config.advert_ttl_s
+        ttl = self.advert_ttl_s()
         await self.adverts.announce(advert, ttl)
         self.view.set_self(advert, self.identity.public_key_bytes, time.time() + ttl)
 
@@ -696,6 +751,8 @@ class Daemon:
             "memory_slots": self.config.memory_slots,
             "device": self.config.device,
             "heartbeat_s": self.config.heartbeat_s,
+            "last_announce_s": round(self.last_announce_s, 3),
+            "last_refresh_s": round(self.last_refresh_s, 3),
             "uptime_s": round(time.time() - self.started_at, 3),
             "pid": os.getpid(),
             "known_peers": len(self.view.alive()) if self.view else 0,
