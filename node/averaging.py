@@ -108,6 +108,10 @@ class StageAverager:
         return True
 
     def shutdown(self) -> None:
+        """Blocking (up to hivemind's 5 s grace, then kill): call it from an executor thread."""
         if self._started and self._avg.is_alive():
             self._avg.shutdown()
+            if self._avg.is_alive():  # forked child may ignore SIGTERM (inherited handlers)
+                self._avg.kill()
+                self._avg.join(5)
         self._started = False

@@ -54,6 +54,7 @@ __all__ = [
     "SchedulePlan",
     "TrainerNode",
     "TrainingStalled",
+    "TrainerService",
     "norm_key",
 ]
 
@@ -79,6 +80,9 @@ class TrainerConfig:
     checkpoint_every: int = 10  # iterations; 0 = only on clean shutdown
     resume: bool = False
     memory_slots: Optional[int] = None  # in-flight microbatches per node; default: the schedule's
+    #: a forward blocked by full memory slots this long with nothing else to do is admitted anyway:
+    #: reordered paths can form a cycle of full nodes waiting on each other (see docs/training.md)
+    memory_deadlock_grace_s: float = 5.0
     iteration_timeout_s: float = 600.0
     norm_exchange_timeout_s: float = 120.0
     norm_poll_s: float = 0.02
@@ -195,6 +199,7 @@ class TrainerNode:
         self._worker_task: Optional[asyncio.Task] = None
         self._send_tasks: set = set()
         self._failures: List[BaseException] = []
+        self.overcommits = 0  # forwards admitted beyond the memory slots to break a cyclic wait
         self._stop_requested = False
         self._closed = False
 
@@ -358,8 +363,18 @@ class TrainerNode:
             job = self._next_job()
             if job is None:
                 self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
+                if not self._forwards:
+                    await self._wakeup.wait()
+                    continue
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), self.cfg.memory_deadlock_grace_s)
+                    continue
+                except asyncio.TimeoutError:
+                    logger.warning("%s: memory slots full (%d) for %.0fs with %d forwards waiting; admitting one "
+                                   "to break a possible cyclic wait", self.node_name, self.memory_slots,
+                                   self.cfg.memory_deadlock_grace_s, len(self._forwards))
+                    self.overcommits += 1
+                    job = (self._do_forward, self._forwards.popleft())
             fn, arg = job
             try:
                 await fn(arg)
@@ -594,6 +609,62 @@ class TrainerNode:
         if self.dataplane is not None:
             await self.dataplane.close()
         if self.averager is not None:
-            self.averager.shutdown()
+            await asyncio.get_running_loop().run_in_executor(None, self.averager.shutdown)
             self.averager = None
         self._executor.shutdown(wait=True)
+
+
+class TrainerService:
+    """Runs a :class:`TrainerNode` inside the daemon (``Daemon(config, services=[TrainerService(...)])``).
+
+    Implements the daemon's ``DaemonService`` protocol (``async start(daemon)``, ``async stop()``).
+    It waits for a schedule epoch that contains this peer, connects to every member through the
+    daemon's adverts, then trains ``iterations`` iterations on that epoch. The epoch is **pinned**
+    for the whole run: switching epochs needs every member to switch at the same iteration, which the
+    coordinator does not announce yet (issue #6).
+    """
+
+    def __init__(self, config: TrainerConfig, iterations: int, *, node_name: Optional[str] = None,
+                 on_iteration: Optional[Callable[[IterationStats], None]] = None, poll_s: float = 0.5):
+        self.config, self.iterations = config, iterations
+        self.node_name, self.on_iteration, self.poll_s = node_name, on_iteration, poll_s
+        self.trainer: Optional[TrainerNode] = None
+        self.stop_timeout_s = 120.0  # how long stop() lets the current iteration finish
+        self.done = asyncio.Event()
+        self.error: Optional[BaseException] = None
+        self._task: Optional[asyncio.Task] = None
+
+    async def start(self, daemon) -> None:
+        self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
+
+    async def _main(self, daemon) -> None:
+        try:
+            epoch = daemon.current_epoch
+            while epoch is None or str(daemon.peer_id) not in epoch.members:
+                await asyncio.sleep(self.poll_s)
+                epoch = daemon.current_epoch
+            for peer in epoch.members:
+                if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
+                    logger.warning("cannot connect to schedule member %s yet", peer[-8:])
+            self.trainer = TrainerNode(p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=epoch,
+                                       config=self.config, node_name=self.node_name, on_iteration=self.on_iteration)
+            await self.trainer.setup()
+            await self.trainer.run(self.iterations)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            logger.exception("training stopped with an error")
+            self.error = e
+        finally:
+            self.done.set()
+
+    async def stop(self) -> None:
+        if self.trainer is not None:
+            self.trainer.request_stop()
+        if self._task is not None and not self._task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=self.stop_timeout_s)
+            except (asyncio.TimeoutError, Exception):
+                self._task.cancel()
+        if self.trainer is not None:
+            await self.trainer.shutdown()

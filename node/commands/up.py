@@ -88,6 +88,8 @@ def build_schedule(n_stages: int, data_nodes: int, replicas: Sequence[int], path
 LOOPBACK_COMPUTE_S = 0.01
 LOOPBACK_LINK_S = 0.002
 SCHEDULER_BUDGET_S = 2.0
+#: Grace period for a DHT process to exit before it is killed.
+DHT_SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def scheduler_schedule(builtin: dict, path_length: int, microbatches: int, memory: int, seed: int = 0) -> dict:
@@ -159,6 +161,7 @@ class LocalSwarm:
                                on_iteration=self.on_iteration if i == 0 else None)
             await node.setup()
             self.nodes.append(node)
+        logger.info("local swarm of %d nodes ready", self.n_nodes)
         starts = {n.current_iteration for n in self.nodes}
         if len(starts) != 1:
             raise UserError(f"checkpoints disagree on the iteration to resume from: {sorted(starts)}")
@@ -184,17 +187,36 @@ class LocalSwarm:
         return [self.nodes[nodes[0]].runtime.module for nodes in self.schedule["stages"]]
 
     async def close(self) -> None:
-        for n in self.nodes:
+        """Stop every node, DHT and p2pd, in parallel; a DHT child that lingers is killed."""
+        t0 = time.perf_counter()
+
+        async def stop_node(n):
             try:
                 await n.shutdown()
             except Exception:
                 logger.exception("shutting down %s", n.node_name)
+
+        await asyncio.gather(*(stop_node(n) for n in self.nodes))
         loop = asyncio.get_running_loop()
-        for d in self.dhts + ([self._bootstrap_dht] if self._bootstrap_dht else []):
-            await loop.run_in_executor(None, d.shutdown)
+
+        async def stop_dht(d):
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, d.shutdown), DHT_SHUTDOWN_TIMEOUT_S)
+            except Exception:
+                pass
+            if d.is_alive():  # forked children may ignore SIGTERM (inherited handlers)
+                d.kill()
+                await loop.run_in_executor(None, d.join, DHT_SHUTDOWN_TIMEOUT_S)
+
+        await asyncio.gather(*(stop_dht(d) for d in self.dhts + ([self._bootstrap_dht] if self._bootstrap_dht else [])))
         for p in self.p2ps + ([self._bootstrap] if self._bootstrap else []):
-            await p.shutdown()
+            try:
+                await asyncio.wait_for(p.shutdown(), DHT_SHUTDOWN_TIMEOUT_S)
+            except Exception:
+                pass
         self.nodes, self.dhts, self.p2ps = [], [], []
+        self._bootstrap = self._bootstrap_dht = None
+        logger.info("local swarm closed in %.1f s", time.perf_counter() - t0)
 
     async def __aenter__(self) -> "LocalSwarm":
         try:
@@ -310,7 +332,9 @@ async def run_up(opts: UpOptions) -> dict:
     schedule = build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches,
                               opts.memory, reorder=opts.reorder)
     if opts.scheduler == "skippipe":
+        t_sched = time.perf_counter()
         schedule = scheduler_schedule(schedule, opts.path_length, opts.microbatches, opts.memory, opts.seed)
+        logger.info("path scheduler took %.1f s", time.perf_counter() - t_sched)
     elif opts.scheduler != "builtin":
         raise UserError(f"unknown scheduler {opts.scheduler!r}; choose 'skippipe' or 'builtin'")
     config = TrainerConfig(run_id="up", model=mcfg, optim=OptimConfig(lr=opts.lr), data=data_cfg, seed=opts.seed,

@@ -7,7 +7,7 @@ import pytest
 from node.cli import main
 from node.commands.up import UpOptions, run_up
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(400)
 
 
 async def test_up_writes_curve_summary_and_resumes(tmp_path):
