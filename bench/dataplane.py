@@ -30,10 +30,11 @@ callback sends the decoded frame back as a GradientMessage through its own DataP
 persistent streams, one per direction); raw: 1 KiB echoed on one open stream. One hop is half
 a round trip.
 
-Run: ``python bench/dataplane.py [--rounds N] [--profile] [--mallopt]`` (``--profile``: cProfile
-of extra 32 MiB data-plane transfers, top functions by total time; ``--mallopt``: raise glibc's
-mmap threshold first, so that buffers of >= 32 MiB are reused from the heap instead of being
-mmapped and page-faulted afresh for every copy, which is what dominates 32 MiB transfers here).
+Run: ``python bench/dataplane.py [--rounds N] [--profile] [--default-malloc]`` (``--profile``: cProfile
+of extra 32 MiB data-plane transfers, top functions by total time). By default the bench applies
+the node's malloc tuning (node.memory.tune_malloc, as every skippipe process does), so that buffers of
+>= 32 MiB are reused from the heap instead of being mmapped and page-faulted afresh for every copy;
+``--default-malloc`` measures without it.
 """
 
 from __future__ import annotations
@@ -312,25 +313,17 @@ async def run(args) -> None:
         await bench.close()
 
 
-def _heap_malloc() -> None:
-    """Keep big buffers on glibc's heap (no fresh mmap + page faults per >= 32 MiB allocation)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 31)
-    print(f"mallopt(M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=2 GiB): {'ok' if ok else 'FAILED'}")
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--profile", action="store_true", help="also cProfile 32 MiB data-plane transfers")
-    parser.add_argument("--mallopt", action="store_true",
-                        help="raise glibc's mmap/trim thresholds first (the suggested fix for >= 32 MiB frames)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc's malloc defaults instead of the node's tuning (node.memory.tune_malloc)")
     args = parser.parse_args(argv)
-    if args.mallopt:
-        _heap_malloc()
+    if not args.default_malloc:
+        from node.memory import tune_malloc
+
+        print(f"node.memory.tune_malloc() (as every skippipe process does): {'ok' if tune_malloc() else 'FAILED'}")
     torch.manual_seed(0)
     uvloop.run(run(args))
 

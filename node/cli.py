@@ -15,6 +15,7 @@ from typing import Sequence
 
 from node import __version__
 from node.errors import UserError
+from node.memory import tune_malloc
 
 __all__ = ["main", "build_parser"]
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    tune_malloc()  # every command that moves activation frames benefits; see node.memory
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0 if args.command is None else 2
