@@ -1,0 +1,245 @@
+"""Convergence of SkipPipe training vs the full pipeline, for the same tokens (issue #7 item 4).
+
+Why: skipping a third of the stages per microbatch makes iterations cheaper, but only pays off
+if the model still converges about as well per token. This trains the same model twice in one
+process (:mod:`node.path_training`, the paper's "simulate-training" setup):
+
+* **full**: every microbatch visits all 6 stages in order;
+* **skip**: paths of 4 of the 6 stages (skip ratio k = 1/3) from
+  :func:`scheduler.paths.schedule_paths` on 5 data nodes x [3,3,3,3,3] stage replicas,
+
+with the same data nodes, the same microbatches (same windows of the corpus), the same initial
+weights and the same optimiser, so the routes are the only difference. The full model (all
+stages, in order) is evaluated on the held-out split every ``--eval-every`` iterations.
+
+Outputs: ``bench/results/convergence.json`` (curves, final losses, gap in %),
+``bench/results/convergence.png`` (both validation curves), and the final checkpoints under
+``--checkpoints`` (default ``runs/convergence/{full,skip}``), which ``bench/omission.py`` and
+``skippipe eval`` read.
+
+Run: ``python bench/convergence.py`` (tiny model, 200 iterations; 2-8 minutes on 2 busy cores);
+longer: ``python bench/convergence.py --model small --iterations 2000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import pathlib
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Sequence
+
+# bench/ holds scripts named like our packages (scheduler.py, protocol.py): drop this folder from
+# sys.path so that ``import scheduler`` finds the package, not a sibling script.
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+
+import torch  # noqa: E402
+
+from node.data import DataConfig, TokenSplits, load_splits, validation_batches  # noqa: E402
+from node.model import model_config  # noqa: E402
+from node.path_training import PathTrainer, full_pipeline_schedule  # noqa: E402
+from node.reference import evaluate_loss  # noqa: E402
+from node.stage_runtime import OptimConfig  # noqa: E402
+from scheduler.cost import CostMatrix  # noqa: E402
+from scheduler.paths import schedule_paths_report  # noqa: E402
+from scheduler.schedule import Schedule  # noqa: E402
+
+__all__ = ["BenchConfig", "RunResult", "skip_schedule", "train_run", "main", "RESULTS_DIR", "DEFAULT_CHECKPOINTS"]
+
+logger = logging.getLogger(__name__)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"
+DEFAULT_CHECKPOINTS = ROOT / "runs" / "convergence"
+#: The paper's HEAD configuration: 5 data nodes, 3 replicas of each of the other 5 stages,
+#: paths of 4 stages (k = 1 - 4/6 = 1/3), 6 microbatches per data node, 3 memory slots.
+DATA_NODES = 5
+REPLICAS = (3, 3, 3, 3, 3)
+PATH_LENGTH = 4
+MICROBATCHES = 6
+MEMORY = 3
+#: A uniform cost model: only the stage orders matter for convergence, not the replicas chosen.
+COMPUTE_S = 1.0
+LINK_S = 0.5
+#: Wall-clock cap of the path search (it reaches its iteration count well before this).
+SCHEDULE_BUDGET_S = 10.0
+
+
+@dataclass
+class BenchConfig:
+    model: str = "tiny"
+    corpus: str = "sotu"
+    iterations: int = 200
+    eval_every: int = 10
+    val_batches: int = 16
+    microbatch_size: int = 8
+    seq_len: Optional[int] = None  # default: the model's context
+    lr: float = 3e-3
+    seed: int = 0
+    threads: int = 1  # one thread is faster than two on cores shared with other work
+
+
+@dataclass
+class RunResult:
+    name: str
+    iterations: List[int] = field(default_factory=list)  # iterations completed at each evaluation
+    tokens: List[int] = field(default_factory=list)
+    val_loss: List[float] = field(default_factory=list)
+    train_loss: List[float] = field(default_factory=list)  # mean over the iterations since the last evaluation
+    layer_visits_per_iteration: float = 0.0  # stage visits (stage 0 included) per iteration
+    seconds: float = 0.0
+    checkpoint: Optional[str] = None
+
+
+def skip_schedule(n_stages: int, seed: int) -> Schedule:
+    """SkipPipe paths for the paper's 20-node setting on a uniform cost model."""
+    if n_stages != len(REPLICAS) + 1:
+        raise SystemExit(f"the benchmark's allocation needs a {len(REPLICAS) + 1}-stage model, got {n_stages}")
+    stages = [list(range(DATA_NODES))]
+    nxt = DATA_NODES
+    for r in REPLICAS:
+        stages.append(list(range(nxt, nxt + r)))
+        nxt += r
+    cost = CostMatrix(tuple([COMPUTE_S] * nxt),
+                      tuple(tuple(0.0 if i == j else LINK_S for j in range(nxt)) for i in range(nxt)))
+    sched, report = schedule_paths_report(stages, cost, PATH_LENGTH, MICROBATCHES, MEMORY, seed=seed,
+                                          budget_s=SCHEDULE_BUDGET_S)
+    logger.info("skip schedule: %d path entries, simulated %.1f s (%d search steps)", len(sched.paths),
+                report.final_time_s, report.iterations)
+    return sched
+
+
+def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: TokenSplits,
+              checkpoints: pathlib.Path, log=print) -> RunResult:
+    """Train one variant, evaluating the full model every ``eval_every`` iterations."""
+    mcfg = model_config(cfg.model)
+    trainer = PathTrainer(mcfg, OptimConfig(lr=cfg.lr), data, splits, schedule, seed=cfg.seed)
+    val = validation_batches(splits, data, cfg.val_batches)
+    out = RunResult(name)
+    out.iterations.append(0)
+    out.tokens.append(0)
+    out.val_loss.append(evaluate_loss(trainer.modules(), val))
+    out.train_loss.append(float("nan"))
+    tokens, since = 0, []
+    t0 = time.perf_counter()
+    for it in range(1, cfg.iterations + 1):
+        res = trainer.train_iteration()
+        tokens += res.tokens
+        since.append(res.loss)
+        out.layer_visits_per_iteration = float(sum(res.visits))
+        if it % cfg.eval_every == 0 or it == cfg.iterations:
+            out.iterations.append(it)
+            out.tokens.append(tokens)
+            out.val_loss.append(evaluate_loss(trainer.modules(), val))
+            out.train_loss.append(sum(since) / len(since))
+            since = []
+            log(f"  {name:4s} it {it:5d}  tokens {tokens:9d}  train {out.train_loss[-1]:.4f}  "
+                f"val {out.val_loss[-1]:.4f}  ({time.perf_counter() - t0:.0f}s)")
+    out.seconds = time.perf_counter() - t0
+    trainer.save_checkpoint(checkpoints, name, extra_meta={"schedule_kind": name, "bench": "convergence",
+                                                             "path_length": _as_path_length(schedule)})
+    out.checkpoint = str(checkpoints / name)
+    return out
+
+
+def _as_path_length(schedule) -> int:
+    return int(schedule.path_length if isinstance(schedule, Schedule) else schedule["path_length"])
+
+
+def _plot(runs: Sequence[RunResult], path: pathlib.Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed; no plot")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in runs:
+        label = "full pipeline (6/6 stages)" if r.name == "full" else f"SkipPipe (paths of {PATH_LENGTH}/6 stages)"
+        ax.plot([t / 1e6 for t in r.tokens], r.val_loss, marker=".", label=label)
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("validation loss (nats/token, full model)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=d.model, choices=["tiny", "small"], help="model size (default tiny)")
+    p.add_argument("--corpus", default=d.corpus, help="corpus (default sotu)")
+    p.add_argument("--iterations", type=int, default=d.iterations, help=f"iterations per run (default {d.iterations})")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"default {d.eval_every}")
+    p.add_argument("--val-batches", type=int, default=d.val_batches, help=f"default {d.val_batches}")
+    p.add_argument("--microbatch-size", type=int, default=d.microbatch_size, help=f"default {d.microbatch_size}")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
+    p.add_argument("--seed", type=int, default=d.seed, help="model, data and path-search seed (default 0)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default 1)")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
+    p.add_argument("--checkpoints", type=pathlib.Path, default=DEFAULT_CHECKPOINTS,
+                   help="checkpoint root (default runs/convergence)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = BenchConfig(model=args.model, corpus=args.corpus, iterations=args.iterations, eval_every=args.eval_every,
+                      val_batches=args.val_batches, microbatch_size=args.microbatch_size, seq_len=args.seq_len,
+                      lr=args.lr, seed=args.seed, threads=args.threads)
+    if cfg.iterations < 1 or cfg.eval_every < 1:
+        raise SystemExit("--iterations and --eval-every must be at least 1")
+    torch.set_num_threads(cfg.threads)
+    mcfg = model_config(cfg.model)
+    data = DataConfig(corpus=cfg.corpus, microbatch_size=cfg.microbatch_size, seq_len=cfg.seq_len or mcfg.context,
+                      seed=cfg.seed)
+    splits = load_splits(data)
+    skip = skip_schedule(mcfg.n_stages, cfg.seed)
+    full = full_pipeline_schedule(mcfg.n_stages, DATA_NODES, MICROBATCHES, MEMORY)
+    tokens_per_it = DATA_NODES * MICROBATCHES * cfg.microbatch_size * data.seq_len
+    print(f"convergence: {cfg.model} on {cfg.corpus}, {cfg.iterations} iterations x {DATA_NODES} data nodes x "
+          f"{MICROBATCHES} microbatches x {cfg.microbatch_size} x {data.seq_len} tokens "
+          f"= {cfg.iterations * tokens_per_it} tokens per run")
+    runs = [train_run(name, sched, cfg, data, splits, args.checkpoints) for name, sched in (("full", full), ("skip", skip))]
+    f, s = runs
+    gap_pct = (s.val_loss[-1] / f.val_loss[-1] - 1.0) * 100.0
+    ppl_gap_pct = (math.exp(s.val_loss[-1] - f.val_loss[-1]) - 1.0) * 100.0
+    result = {
+        "config": asdict(cfg), "seq_len": data.seq_len, "data_nodes": DATA_NODES, "replicas": list(REPLICAS),
+        "path_length": PATH_LENGTH, "n_stages": mcfg.n_stages, "microbatches_per_data_node": MICROBATCHES,
+        "tokens_per_run": cfg.iterations * tokens_per_it,
+        "skip_routes": [p.to_json() for p in skip.paths],
+        "runs": {r.name: asdict(r) for r in runs},
+        "final_val_loss": {"full": f.val_loss[-1], "skip": s.val_loss[-1]},
+        "final_loss_gap_pct": gap_pct, "final_perplexity_gap_pct": ppl_gap_pct,
+        "stage_compute_ratio_skip_vs_full": s.layer_visits_per_iteration / f.layer_visits_per_iteration,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "convergence.json").write_text(json.dumps(result, indent=1))
+    plotted = _plot(runs, args.out / "convergence.png",
+                    f"{cfg.model} on {cfg.corpus}: full pipeline vs SkipPipe (k = 1/3)")
+    print(f"final validation loss: full {f.val_loss[-1]:.4f}, skip {s.val_loss[-1]:.4f}; "
+          f"gap {gap_pct:+.2f}% in loss, {ppl_gap_pct:+.2f}% in perplexity")
+    print(f"stage compute per iteration, skip / full: {result['stage_compute_ratio_skip_vs_full']:.3f}; "
+          f"wall: full {f.seconds:.0f}s, skip {s.seconds:.0f}s")
+    print(f"wrote {args.out / 'convergence.json'}" + (f" and {args.out / 'convergence.png'}" if plotted else "")
+          + f"; checkpoints in {args.checkpoints}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
