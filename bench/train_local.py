@@ -77,6 +77,9 @@ def main() -> int:
     ap.add_argument("--model", default="tiny", choices=["tiny", "small"])
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the single-process baseline (default 1 = what each swarm node gets; "
+                         "more threads on a shared, overloaded box can be far slower)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -88,11 +91,12 @@ def main() -> int:
     full = build_schedule(S, DATA_NODES, [1] * (S - 1), S, MICROBATCHES, MEMORY)
     skip = build_schedule(S, DATA_NODES, SKIP_REPLICAS, SKIP_PATH_LENGTH, MICROBATCHES, MEMORY, reorder=True)
     cores = os.cpu_count() or 1
+    threads = args.threads
 
     results = [
-        bench_reference("single-process, full model", cfg, splits, full, args.iterations, args.warmup, cores),
+        bench_reference("single-process, full model", cfg, splits, full, args.iterations, args.warmup, threads),
         bench_reference(f"single-process, skip paths (k={1 - SKIP_PATH_LENGTH / S:.2f})", cfg, splits, skip,
-                        args.iterations, args.warmup, cores),
+                        args.iterations, args.warmup, threads),
     ]
     results.append(asyncio.run(bench_swarm(f"swarm full path ({DATA_NODES + S - 1} nodes)", cfg, splits, full,
                                            args.iterations, args.warmup)))
@@ -104,7 +108,7 @@ def main() -> int:
     tokens = MICROBATCHES * DATA_NODES * data.microbatch_size * data.seq_len
     print(f"model {args.model} ({S} stages x {mcfg.layers_per_stage} layers, d {mcfg.d_model}), {DATA_NODES} data "
           f"nodes x {MICROBATCHES} microbatches x {data.microbatch_size} x {data.seq_len} tokens = {tokens} "
-          f"tokens/iteration; {cores} CPU cores; median of {args.iterations} iterations after {args.warmup} warm-up")
+          f"tokens/iteration; {cores} CPU cores, baseline with {threads} torch thread(s); median of {args.iterations} iterations after {args.warmup} warm-up")
     print(f"{'configuration':58s} {'s/iter':>8s} {'tokens/s':>10s} {'time ratio':>11s} {'tok/s ratio':>12s}")
     for r in results:
         print(f"{r.name:58s} {r.iteration_s:8.3f} {r.tokens_per_s:10.0f} {r.iteration_s / base.iteration_s:11.2f} "
