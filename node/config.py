@@ -78,6 +78,23 @@ class DaemonConfig:
     #: Where to write a JSON "ready" record once the daemon serves (used by local swarms).
     ready_file: Path | None = None
 
+    # --- access control (node.access) ------------------------------------------------------
+    #: File holding the swarm's shared secret; None = open swarm.
+    swarm_key_path: Path | None = None
+    #: File listing the peer ids allowed in the swarm (one per line, # comments); None = anyone.
+    allow_peers_path: Path | None = None
+    #: Send the swarm-key proof in hello. Only tests turn it off, to play a modified client that
+    #: skips the courtesy check and must still be kept out by the DHT and gossip checks.
+    access_handshake: bool = True
+
+    # --- hostile input (node.ratelimit) ----------------------------------------------------
+    #: Per-peer token bucket of the libp2p RPC handler: sustained requests/s and burst size.
+    rpc_rate_per_s: float = 20.0
+    rpc_burst: float = 40.0
+    #: Per-client-address token bucket of the local HTTP endpoint (dashboard polls ~4 req/s).
+    http_rate_per_s: float = 50.0
+    http_burst: float = 100.0
+
     # --- control-plane timing -------------------------------------------------------------
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     #: Advert expiration in heartbeats: a node missed for this long drops out of every view.

@@ -21,7 +21,9 @@ Trainer integration: pass ``services=[...]`` objects with ``async start(daemon)`
 ``async stop()``; they start after the control plane is up and stop before it goes down. Use
 :attr:`Daemon.p2p`, :attr:`Daemon.dht`, :attr:`Daemon.view`, :attr:`Daemon.current_epoch`,
 :meth:`Daemon.add_p2p_handler`, :meth:`Daemon.register_rpc`, :attr:`Daemon.on_schedule_epoch`
-and :attr:`Daemon.epoch_changed`.
+and :attr:`Daemon.epoch_changed`; report training progress through :attr:`Daemon.metrics`
+(:class:`node.metrics.NodeMetrics`) and drop data-plane traffic from peers that fail
+:meth:`Daemon.is_peer_allowed` (swarm key / allowlist, :mod:`node.access`).
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from multiaddr import Multiaddr
 
+from node.access import HELLO_PROOF_PARAM, SwarmAccess, load_allowlist, load_swarm_key
 from node.config import DaemonConfig
 from node.coordinator import Coordinator, RunConfig
+from node.dashboard import dashboard_html
 from node.dht_adverts import AdvertStore, make_record_validators
 from node.errors import UserError
 from node.gossip import GossipMessage, GossipService
 from node.identity import IdentityLock, NodeIdentity, load_or_create_gossip_key, load_or_create_identity
-from node.rpc import RpcCallError, RpcServer, call_p2p
+from node.metrics import METRICS_CONTENT_TYPE, NodeMetrics
+from node.ratelimit import PeerRateLimiter
+from node.rpc import CALLER_PARAM, HttpReply, RpcCallError, RpcServer, call_p2p
 from node.swarm_view import SwarmView
 from protocol.errors import ProtocolError
 from protocol.messages import LinkReport, MembershipEvent, ScheduleEpoch, StageAdvert, decode, encode
@@ -85,6 +91,10 @@ DHT_GRACEFUL_SHUTDOWN_S = 1.0
 DHT_SHUTDOWN_TIMEOUT_S = 5.0
 #: Default number of stages of a new swarm when neither --stages nor --num-stages says.
 DEFAULT_NUM_STAGES = 2
+#: One warning per gossip sender that is dropped by access control at most this often.
+DROPPED_GOSSIP_LOG_EVERY_S = 30.0
+#: Iterations the ``iterations`` RPC returns when the caller does not say.
+DEFAULT_RECENT_ITERATIONS = 200
 
 # Compute benchmark: a transformer layer costs about 24 d^2 flops per token forward (QKVO
 # projections 8 d^2, a 4d MLP 16 d^2), so seconds/sample/layer = 24 d^2 seq / measured flop/s.
@@ -169,7 +179,14 @@ class Daemon:
         self.p2p: P2P | None = None
         self.dht: DHT | None = None
         self.gossip: GossipService | None = None
-        self.rpc = RpcServer()
+        self.metrics = NodeMetrics()
+        self.access = SwarmAccess()
+        self.rpc = RpcServer(
+            p2p_limiter=PeerRateLimiter(config.rpc_rate_per_s, config.rpc_burst),
+            http_limiter=PeerRateLimiter(config.http_rate_per_s, config.http_burst),
+            on_request=self.metrics.count_rpc,
+        )
+        self._dropped_log: dict[str, float] = {}
         self.view: SwarmView | None = None
         self.adverts: AdvertStore | None = None
         self.coordinator: Coordinator | None = None
@@ -200,6 +217,21 @@ class Daemon:
     @property
     def current_epoch(self) -> ScheduleEpoch | None:
         return self.coordinator.current if self.coordinator is not None else None
+
+    def is_peer_allowed(self, peer_id: str) -> bool:
+        """May ``peer_id`` (p2pd peer id, base58) talk to us? Call it on every inbound data-plane stream.
+
+        Open swarm: always True. With an allowlist the peer must be listed; with a swarm key it
+        must also have an advert in our view (only adverts with a valid swarm-key proof get
+        there). Cheap (dictionary lookups), so it can run per stream or per message.
+        """
+        if peer_id == self.peer_id:
+            return True
+        if not self.access.listed(peer_id):
+            return False
+        if self.access.swarm_key is not None:
+            return self.view is not None and self.view.get(peer_id) is not None
+        return True
 
     def register_rpc(self, name: str, method: Callable[[dict], Awaitable[Any]]) -> None:
         """Expose ``method(params)`` over libp2p and local HTTP RPC."""
@@ -264,6 +296,10 @@ class Daemon:
         if cfg.initial_peers and cfg.new_swarm:
             raise UserError("--new-swarm and --initial-peers are mutually exclusive")
         initial_ids = [_peer_id_of(m) for m in cfg.initial_peers]
+        self.access = SwarmAccess(
+            swarm_key=load_swarm_key(cfg.swarm_key_path) if cfg.swarm_key_path is not None else None,
+            allowed_peers=load_allowlist(cfg.allow_peers_path) if cfg.allow_peers_path is not None else None,
+        )
         for host, port in _tcp_ports(cfg.host_maddrs):
             _check_port_free(host, port, "host")
         if cfg.gossip_port:
@@ -271,6 +307,9 @@ class Daemon:
         self._lock.acquire()
         self.identity = load_or_create_identity(cfg.identity_path)
         self.peer_id = self.identity.peer_id.to_base58()
+        self.metrics.info.labels(peer_id=self.peer_id).set(1)
+        if not self.access.listed(self.peer_id):
+            logger.warning("this node's own peer id %s is not in --allow-peers: other members will ignore it", self.peer_id)
         gossip_key = load_or_create_gossip_key(cfg.gossip_key_path)
 
         # RPC over HTTP first: a taken --rpc-port should fail before anything slow starts.
@@ -309,7 +348,7 @@ class Daemon:
                 p2p=self.p2p,
                 initial_peers=list(cfg.initial_peers) or None,
                 start=True,
-                record_validators=make_record_validators(self.identity.private_key),
+                record_validators=make_record_validators(self.identity.private_key, self.access),
                 shutdown_timeout=DHT_GRACEFUL_SHUTDOWN_S,
             )
 
@@ -318,7 +357,7 @@ class Daemon:
         except Exception as e:  # noqa: BLE001 - bootstrap failures surface as RuntimeError
             raise UserError(f"cannot join the DHT through the initial peers: {e}") from None
         owner = make_record_validators(self.identity.private_key)[0].local_public_key
-        self.adverts = AdvertStore(self.dht, cfg.run_id, owner)
+        self.adverts = AdvertStore(self.dht, cfg.run_id, owner, self.access)
         self.view = SwarmView(run_id=cfg.run_id, self_id=self.peer_id)
         self.view.update_from_dht(await self.adverts.fetch_all(self.run.num_stages))
         self.stages = self._choose_stages()
@@ -470,14 +509,17 @@ class Daemon:
         errors = []
         for maddr, peer_id in zip(cfg.initial_peers, initial_ids):
             try:
-                info = await call_p2p(
-                    self.p2p,
-                    peer_id,
-                    "hello",
-                    {"run_id": cfg.run_id, "protocol_version": self.protocol_version},
-                    timeout=cfg.hello_timeout_s,
-                )
+                params = {"run_id": cfg.run_id, "protocol_version": self.protocol_version}
+                proof = self.access.hello_proof(self.peer_id) if cfg.access_handshake else None
+                if proof is not None:
+                    params[HELLO_PROOF_PARAM] = proof
+                info = await call_p2p(self.p2p, peer_id, "hello", params, timeout=cfg.hello_timeout_s)
             except RpcCallError as e:
+                if "access denied" in str(e):
+                    if not cfg.access_handshake:  # test knob: a modified client pushes on regardless
+                        logger.warning("hello refused (%s); joining anyway without the handshake", e)
+                        return self._founding_run_config()
+                    raise UserError(f"{maddr} refused this node: {str(e).split('access denied: ', 1)[-1]}") from None
                 errors.append(f"{maddr}: {e}")
                 continue
             if not isinstance(info, dict) or "run_id" not in info:
@@ -559,6 +601,7 @@ class Daemon:
             try:
                 rounds += 1
                 await self._refresh_view()
+                self._update_view_metrics()
                 await self._maintain_gossip()
                 if rounds % EPOCH_DHT_POLL_HEARTBEATS == 0:
                     await self._adopt_epoch_from_dht()
@@ -621,7 +664,13 @@ class Daemon:
         self.gossip.publish(self._topics["epochs"], encode(epoch))
         await self.adverts.store_epoch(epoch, EPOCH_RECORD_TTL_S)
 
+    def _update_view_metrics(self) -> None:
+        self.metrics.set_peer_states(e.state for e in self.view.peers.values())
+        epoch = self.current_epoch
+        self.metrics.set_schedule_epoch(epoch.epoch if epoch else None)
+
     def _on_adopt(self, epoch: ScheduleEpoch) -> None:
+        self.metrics.set_schedule_epoch(epoch.epoch)
         self.epoch_changed.set()
         for callback in list(self.on_schedule_epoch):
             try:
@@ -638,8 +687,26 @@ class Daemon:
         )
         self.gossip.publish(self._topics["membership"], encode(event))
 
+    def _gossip_sender_allowed(self, gossip_id: str) -> bool:
+        """With access control on, only gossip ids named by an accepted advert may speak."""
+        if not self.access.enabled:
+            return True
+        entry = self.view.by_gossip_id(gossip_id) if self.view is not None else None
+        if entry is not None and self.is_peer_allowed(entry.peer_id):
+            return True
+        self.metrics.count_gossip_dropped("not_allowed")
+        now = time.monotonic()
+        if now - self._dropped_log.get(gossip_id, -DROPPED_GOSSIP_LOG_EVERY_S) >= DROPPED_GOSSIP_LOG_EVERY_S:
+            if len(self._dropped_log) > 1024:
+                self._dropped_log.clear()
+            self._dropped_log[gossip_id] = now
+            logger.warning("dropping gossip from %s: not an allowed member of this swarm", gossip_id)
+        return False
+
     def _on_gossip(self, message: GossipMessage) -> None:
         if self.gossip is not None and message.from_gossip_id == self.gossip.peer_id:
+            return
+        if not self._gossip_sender_allowed(message.from_gossip_id):
             return
         try:
             if message.topic == self._topics["membership"]:
@@ -655,6 +722,7 @@ class Daemon:
                 verdict = self.coordinator.consider(epoch)
                 logger.debug("epoch %d from %s: %s", epoch.epoch, epoch.coordinator, verdict)
         except ProtocolError as e:
+            self.metrics.count_gossip_dropped("malformed")
             logger.debug("dropping malformed gossip on %s: %s", message.topic, e)
 
     # ------------------------------------------------------------------ link probes
@@ -725,8 +793,36 @@ class Daemon:
         self.register_rpc("swarm", self._rpc_swarm)
         self.register_rpc("schedule", self._rpc_schedule)
         self.register_rpc("health", self._rpc_health)
+        self.register_rpc("iterations", self._rpc_iterations)
+        self.register_rpc("traffic", self._rpc_traffic)
+        self.rpc.register_http_route("/metrics", self._http_metrics)
+        self.rpc.register_http_route("/", self._http_dashboard)
+
+    async def _http_dashboard(self, params: dict) -> HttpReply:
+        return HttpReply(200, "text/html; charset=utf-8", dashboard_html())
+
+    async def _rpc_traffic(self, params: dict) -> dict:
+        """Data-plane totals per peer as counted by this node (the dashboard's throughput)."""
+        return {"peer_id": self.peer_id, "peers": self.metrics.traffic()}
+
+    async def _http_metrics(self, params: dict) -> HttpReply:
+        if self.view is not None:
+            self._update_view_metrics()
+        return HttpReply(200, METRICS_CONTENT_TYPE, self.metrics.render())
+
+    async def _rpc_iterations(self, params: dict) -> dict:
+        """Recent training iterations (the dashboard's loss curve)."""
+        try:
+            limit = max(1, int(params.get("limit", DEFAULT_RECENT_ITERATIONS)))
+        except (TypeError, ValueError):
+            raise ValueError("limit must be an integer") from None
+        return {"peer_id": self.peer_id, "iterations": self.metrics.recent_iterations(limit)}
 
     async def _rpc_hello(self, params: dict) -> dict:
+        refusal = self.access.check_hello(params.get(CALLER_PARAM), params.get(HELLO_PROOF_PARAM))
+        if refusal is not None:
+            logger.warning("hello from %s refused: %s", params.get(CALLER_PARAM), refusal)
+            raise PermissionError(refusal)
         return {
             "run_id": self.config.run_id,
             "protocol_version": self.protocol_version,
@@ -758,6 +854,10 @@ class Daemon:
             "known_peers": len(self.view.alive()) if self.view else 0,
             "gossip_connections": len(self.gossip.connected_peers()) if self.gossip else 0,
             "epoch": epoch.epoch if epoch else None,
+            "access_control": {
+                "swarm_key": self.access.swarm_key is not None,
+                "allowlist": len(self.access.allowed_peers) if self.access.allowed_peers is not None else None,
+            },
             "coordinator_status": self.coordinator.status if self.coordinator else None,
         }
 

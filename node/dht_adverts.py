@@ -15,6 +15,11 @@ the one derived from that same public key. Together a peer can neither overwrite
 subkey nor publish an advert in its own subkey that claims to be someone else. DHT keys reach
 validators hashed, so the validator recognises our records by their envelope, not their key;
 values that are not skippipe envelopes are left to their own validators.
+
+Access control (:mod:`node.access`): with a swarm key every value is *sealed* (message + HMAC
+proof) and a plain or badly proved skippipe record is rejected; with an allowlist the owner's
+peer id must be listed. Readers apply the same checks, because a record can also come back from
+the local storage of a DHT node that does not run our validator (or has another key).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
+from node.access import SwarmAccess, _as_sealed
 from node.identity import peer_id_from_rsa_public_key
 from protocol.errors import ProtocolError
 from protocol.messages import ScheduleEpoch, StageAdvert, decode, encode
@@ -71,9 +77,13 @@ class SkipPipeRecordValidator(RecordValidatorBase):
 
     Rejects a skippipe record unless: it decodes as a :class:`StageAdvert` or
     :class:`ScheduleEpoch`, it sits in an ``[owner:...]`` subkey, and its ``peer_id`` (advert) or
-    ``coordinator`` (epoch) is the peer id of that owner key. Must be picklable (it travels to
-    the forked DHT process), so it holds no state.
+    ``coordinator`` (epoch) is the peer id of that owner key; with ``access`` enabled also a
+    valid swarm-key proof and an allowlisted owner. Must be picklable (it travels to the forked
+    DHT process), so it holds nothing but the (immutable) access policy.
     """
+
+    def __init__(self, access: SwarmAccess | None = None) -> None:
+        self.access = access or SwarmAccess()
 
     def validate(self, record: DHTRecord) -> bool:
         try:
@@ -82,6 +92,17 @@ class SkipPipeRecordValidator(RecordValidatorBase):
             return True
         if not isinstance(raw, bytes):
             return True
+        if _as_sealed(raw) is not None or self.access.swarm_key is not None:
+            opened = self.access.unseal(raw)
+            if opened is None:
+                if _as_sealed(raw) is not None:
+                    logger.debug("rejecting sealed skippipe record with a wrong swarm-key proof")
+                    return False
+                if _is_protected_envelope(raw):
+                    logger.debug("rejecting unsealed skippipe record: this swarm needs a swarm-key proof")
+                    return False
+                return True
+            raw = opened
         try:
             envelope = msgpack.unpackb(raw, raw=False)
         except Exception:  # noqa: BLE001
@@ -107,6 +128,9 @@ class SkipPipeRecordValidator(RecordValidatorBase):
         if claimed != owner_id:
             logger.debug("rejecting record claiming %s from key of %s", claimed, owner_id)
             return False
+        if not self.access.listed(owner_id):
+            logger.debug("rejecting record of %s: not in the allowlist", owner_id)
+            return False
         return True
 
     @property
@@ -114,12 +138,20 @@ class SkipPipeRecordValidator(RecordValidatorBase):
         return 0  # below RSASignatureValidator (10): it sees the value with the signature stripped
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
-        return isinstance(other, SkipPipeRecordValidator)
+        return isinstance(other, SkipPipeRecordValidator) and other.access == self.access
 
 
-def make_record_validators(private_key) -> list[RecordValidatorBase]:
-    """Validators every daemon's DHT runs: RSA ownership + skippipe content."""
-    return [RSASignatureValidator(private_key), SkipPipeRecordValidator()]
+def _is_protected_envelope(raw: bytes) -> bool:
+    try:
+        envelope = msgpack.unpackb(raw, raw=False)
+    except Exception:  # noqa: BLE001
+        return False
+    return isinstance(envelope, dict) and set(envelope) == _ENVELOPE_KEYS and envelope.get("t") in _PROTECTED_TYPES
+
+
+def make_record_validators(private_key, access: SwarmAccess | None = None) -> list[RecordValidatorBase]:
+    """Validators every daemon's DHT runs: RSA ownership + skippipe content (+ access policy)."""
+    return [RSASignatureValidator(private_key), SkipPipeRecordValidator(access)]
 
 
 @dataclass(frozen=True)
@@ -137,14 +169,34 @@ class AdvertStore:
     Every call is non-blocking for the event loop (``return_future=True`` + ``await``).
     """
 
-    def __init__(self, dht, run_id: str, owner_subkey: bytes):
+    def __init__(self, dht, run_id: str, owner_subkey: bytes, access: SwarmAccess | None = None):
         self.dht = dht
         self.run_id = run_id
         self.owner_subkey = owner_subkey
+        self.access = access or SwarmAccess()
+        #: Records skipped because they lacked a valid proof or an allowlisted owner.
+        self.rejected = 0
+
+    def _open(self, value: object, owner: bytes) -> bytes | None:
+        """The message bytes of a stored value if the access policy accepts it."""
+        if not isinstance(value, bytes):
+            return None
+        message = self.access.unseal(value)
+        if message is None:
+            self.rejected += 1
+            return None
+        if self.access.allowed_peers is not None:
+            try:
+                if not self.access.listed(peer_id_from_rsa_public_key(owner)):
+                    self.rejected += 1
+                    return None
+            except Exception:  # noqa: BLE001 - malformed key from the network
+                return None
+        return message
 
     async def announce(self, advert: StageAdvert, ttl_s: float, stages: Iterable[int] | None = None) -> bool:
         """Store ``advert`` under each of its stages; True if every store succeeded."""
-        value = encode(advert)
+        value = self.access.seal(encode(advert))
         expiration = time.time() + ttl_s  # hivemind uses wall-clock (get_dht_time) expirations
         stages = tuple(advert.stages if stages is None else stages)
         results = []
@@ -194,10 +246,11 @@ class AdvertStore:
         out = []
         for subkey, item in found.value.items():
             owner = owner_public_key(subkey)
-            if owner is None or not isinstance(item.value, bytes):
+            message = self._open(item.value, owner) if owner is not None else None
+            if message is None:
                 continue
             try:
-                advert = decode(item.value, expect=StageAdvert)
+                advert = decode(message, expect=StageAdvert)
             except ProtocolError:
                 continue
             if advert.run_id != self.run_id or stage not in advert.stages:
@@ -213,7 +266,7 @@ class AdvertStore:
     async def store_epoch(self, epoch: ScheduleEpoch, ttl_s: float) -> bool:
         fut = self.dht.store(
             epoch_key(self.run_id),
-            encode(epoch),
+            self.access.seal(encode(epoch)),
             expiration_time=time.time() + ttl_s,
             subkey=self.owner_subkey,
             return_future=True,
@@ -236,10 +289,11 @@ class AdvertStore:
         out = []
         for subkey, item in found.value.items():
             owner = owner_public_key(subkey)
-            if owner is None or not isinstance(item.value, bytes):
+            message = self._open(item.value, owner) if owner is not None else None
+            if message is None:
                 continue
             try:
-                epoch = decode(item.value, expect=ScheduleEpoch)
+                epoch = decode(message, expect=ScheduleEpoch)
             except ProtocolError:
                 continue
             if epoch.run_id == self.run_id:

@@ -50,15 +50,34 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-port", type=int, default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
     p.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S,
                    help="seconds between advert re-announcements (default %(default)s)")
+    p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE",
+                   help="shared secret of a private swarm; peers without it cannot advertise, gossip or send data")
+    p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE",
+                   help="allowlist of peer ids (one per line, # comments); others are ignored")
+    p.add_argument("--rpc-rate", type=float, default=None, metavar="REQ_PER_S",
+                   help="per-peer RPC rate limit, libp2p and HTTP (default 20/s over libp2p, 50/s over HTTP)")
+    p.add_argument("--rpc-burst", type=float, default=None, metavar="N",
+                   help="per-peer RPC burst allowance (default 2 s worth of --rpc-rate)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     # Hidden knobs for tests and the local-swarm launcher.
     p.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-access-handshake", action="store_true", help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     if args.heartbeat <= 0:
         raise UserError("--heartbeat must be positive")
+    if args.rpc_rate is not None and args.rpc_rate <= 0:
+        raise UserError("--rpc-rate must be positive")
+    if args.rpc_burst is not None and args.rpc_burst < 1:
+        raise UserError("--rpc-burst must be at least 1")
+    limits = {}
+    if args.rpc_rate is not None:
+        burst = args.rpc_burst if args.rpc_burst is not None else max(1.0, 2 * args.rpc_rate)
+        limits = dict(rpc_rate_per_s=args.rpc_rate, rpc_burst=burst, http_rate_per_s=args.rpc_rate, http_burst=burst)
+    elif args.rpc_burst is not None:
+        limits = dict(rpc_burst=args.rpc_burst, http_burst=args.rpc_burst)
     if args.device == "cuda":
         import torch
 
@@ -83,6 +102,10 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         protocol_version=args.protocol_version,
         ready_file=args.ready_file,
         heartbeat_s=args.heartbeat,
+        swarm_key_path=args.swarm_key.expanduser() if args.swarm_key else None,
+        allow_peers_path=args.allow_peers.expanduser() if args.allow_peers else None,
+        access_handshake=not args.no_access_handshake,
+        **limits,
     )
 
 

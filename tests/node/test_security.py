@@ -1,0 +1,253 @@
+"""Real daemons of a private swarm (``--swarm-key``): metrics, intruders, floods and garbage.
+
+Three members share a key; two intruders join through a member with the courtesy hello check
+switched off (playing modified clients): one with the wrong key, one with none. Neither may
+appear in a member's view or schedule, and the keyless one, which *can* read the members'
+sealed adverts and so dials their gossip, must have its gossip dropped. Waits are polls with a
+generous deadline, never timing assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from node.local_swarm import LocalNode, LocalSwarm
+from tests.node.helpers import DEADLINE_S, error_lines, poll, rpc, run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+RUN_ID = "private-run"
+HEARTBEAT_S = 1.0
+MEMBERS = 3
+STAGE_SIZES = (2, 1)
+#: Low limits so that a short flood certainly exceeds them.
+RATE_ARGS = ["--rpc-rate", "10", "--rpc-burst", "10"]
+#: Seconds the flood and garbage clients run at least (bounded: they stop after that).
+FLOOD_MIN_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    (d / "swarm.key").write_bytes(os.urandom(32).hex().encode())
+    (d / "wrong.key").write_bytes(os.urandom(32).hex().encode())
+    return d
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory, keys):
+    intruder_args = {
+        MEMBERS: ["--swarm-key", str(keys / "wrong.key"), "--no-access-handshake"],
+        MEMBERS + 1: ["--no-access-handshake"],
+    }
+
+    def extra(index: int) -> list[str]:
+        return intruder_args.get(index, ["--swarm-key", str(keys / "swarm.key")]) + RATE_ARGS
+
+    base = tmp_path_factory.mktemp("private")
+    s = LocalSwarm(MEMBERS, STAGE_SIZES, base_dir=base, run_id=RUN_ID, heartbeat_s=HEARTBEAT_S, extra_args=extra)
+    s.start()
+    try:
+        for index in intruder_args:  # both intruders hold stage 1, next to a real member
+            s.nodes.append(LocalNode(index=index, stage=1, workdir=base / f"intruder{index}", args=[]))
+            s.spawn(s.nodes[-1])
+        s.wait_ready(s.nodes[MEMBERS:])
+        yield s
+    finally:
+        s.stop()
+
+
+def members(swarm):
+    return swarm.nodes[:MEMBERS]
+
+
+def intruders(swarm):
+    return swarm.nodes[MEMBERS:]
+
+
+def scrape(node) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` of ``node`` parsed with prometheus_client: {(sample name, labels): value}."""
+    with urllib.request.urlopen(node.rpc_url + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def online_ids(node) -> set[str]:
+    return {p["peer_id"] for p in rpc(node.rpc_url, "swarm")["peers"] if p["state"] == "ONLINE"}
+
+
+def test_members_see_each_other_and_no_intruder(swarm):
+    expected = {n.peer_id for n in members(swarm)}
+    for node in members(swarm):
+        poll(lambda: online_ids(node) == expected, what=f"member {node.index} sees exactly the members")
+
+    def one_epoch_of_members():
+        eps = [rpc(n.rpc_url, "schedule") for n in members(swarm)]
+        keys = {(e["epoch"], tuple(e["members"] or ())) for e in eps}
+        return len(keys) == 1 and eps[0]["epoch"] is not None and set(eps[0]["members"]) == expected
+
+    poll(one_epoch_of_members, what="one epoch of the members only")
+    # The intruders are really running (and the keyless one reads the members' adverts).
+    assert all(n.alive for n in intruders(swarm))
+    keyless = swarm.nodes[MEMBERS + 1]
+    poll(lambda: expected <= online_ids(keyless), what="the keyless intruder reads the sealed adverts")
+    for node in members(swarm):
+        assert not online_ids(node) & {n.peer_id for n in intruders(swarm)}
+        status = rpc(node.rpc_url, "status")
+        assert status["access_control"]["swarm_key"] is True
+
+
+def test_gossip_of_the_keyless_intruder_is_dropped(swarm):
+    def dropped_somewhere():
+        return sum(scrape(n).get(("skippipe_gossip_dropped_total", (("reason", "not_allowed"),)), 0) for n in members(swarm))
+
+    poll(dropped_somewhere, what="a member drops gossip from the intruder")
+    keyless = swarm.nodes[MEMBERS + 1]
+    for node in members(swarm):
+        view = rpc(node.rpc_url, "swarm")
+        assert keyless.peer_id not in {p["peer_id"] for p in view["peers"]}
+        assert keyless.peer_id not in {link["src"] for link in view["links"]}  # its link reports were ignored
+
+
+def test_metrics_endpoint_reports_peers_and_epoch(swarm):
+    node = members(swarm)[0]
+
+    def ready():
+        m = scrape(node)
+        return m.get(("skippipe_peers", (("state", "ONLINE"),))) == MEMBERS and m.get(("skippipe_schedule_epoch", ())) and m
+
+    m = poll(ready, what="metrics show all members ONLINE and an epoch")
+    assert m[("skippipe_node_info", (("peer_id", node.peer_id),))] == 1
+    assert m[("skippipe_peers", (("state", "OFFLINE"),))] == 0
+    assert ("skippipe_iteration", ()) in m and ("skippipe_reroutes_total", ()) in m
+    assert m[("skippipe_rpc_requests_total", (("outcome", "ok"), ("transport", "http")))] >= 1
+    assert rpc(node.rpc_url, "iterations")["iterations"] == []  # no trainer in this swarm
+
+
+def test_wrong_or_missing_key_is_refused_with_one_error(swarm, keys, tmp_path):
+    base = ["node", "run", "--initial-peers", swarm.bootstrap_maddr, "--run-id", RUN_ID, "--stages", "1",
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "id.key")]  # fmt: skip
+    for extra, needle in ((["--swarm-key", str(keys / "wrong.key")], "wrong swarm key"), ([], "needs a swarm key")):
+        proc = run_cli(*base, *extra)
+        assert proc.returncode != 0
+        errors = error_lines(proc)
+        assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "content, needle", [(b"", "empty"), (b"short", "at least"), (None, "no such file")], ids=["empty", "short", "missing"]
+)
+def test_unusable_key_file_is_one_error(tmp_path, content, needle):
+    key = tmp_path / "swarm.key"
+    if content is not None:
+        key.write_bytes(content)
+    proc = run_cli("node", "run", "--swarm-key", str(key), "--identity", str(tmp_path / "id.key"))
+    assert proc.returncode != 0
+    errors = error_lines(proc)
+    assert len(errors) == 1 and needle in errors[0] and "--swarm-key" in errors[0], proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- hostile clients
+def _garbage_http(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+async def _hostile_clients(target) -> dict:
+    import node.compat  # noqa: F401
+    from hivemind.p2p import P2P, PeerID
+
+    from node.rpc import RPC_PROTOCOL, RpcCallError, call_p2p
+
+    peer = PeerID.from_base58(target.peer_id)
+    flooder = await P2P.create(initial_peers=[target.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    checker = await P2P.create(initial_peers=[target.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    result = {"rate_limited": 0, "garbage_answers": 0, "health": []}
+    stop = asyncio.Event()
+
+    async def flood() -> None:
+        while not stop.is_set():
+            try:
+                await call_p2p(flooder, peer, "status", timeout=10)
+            except RpcCallError as e:
+                if "rate limited" in str(e):
+                    result["rate_limited"] += 1
+
+    async def garbage() -> None:
+        frames = [
+            (2**60).to_bytes(8, "big"),  # absurd length
+            (5).to_bytes(8, "big") + b"\xc1\xc1\xc1\xc1\xc1",  # not msgpack
+            (3).to_bytes(8, "big") + b"ab",  # truncated
+            os.urandom(64),
+        ]
+        i = 0
+        while not stop.is_set():
+            try:
+                _, reader, writer = await garbage_p2p.call_binary_stream_handler(peer, RPC_PROTOCOL)
+                writer.write(frames[i % len(frames)])
+                await writer.drain()
+                if i % len(frames) == 1:  # a complete frame: an error answer comes back
+                    answer = await asyncio.wait_for(P2P.receive_raw_data(reader), 10)
+                    result["garbage_answers"] += bool(answer)
+                writer.close()
+            except Exception:  # noqa: BLE001 - the daemon may cut us off; we keep going
+                pass
+            i += 1
+            await asyncio.to_thread(_garbage_http, target.info["rpc_port"], os.urandom(200))
+
+    garbage_p2p = await P2P.create(initial_peers=[target.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        tasks = [asyncio.create_task(flood()) for _ in range(4)] + [asyncio.create_task(garbage())]
+        t0 = time.monotonic()
+        # Health (from a third peer, so its own bucket) is asked while the flood runs.
+        while time.monotonic() - t0 < FLOOD_MIN_S or not result["rate_limited"]:
+            if time.monotonic() - t0 > DEADLINE_S:
+                break
+            try:
+                result["health"].append((await call_p2p(checker, peer, "health", timeout=20))["ok"])
+            except RpcCallError as e:
+                result["health"].append(repr(e))
+            await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait(tasks, timeout=30)
+        for t in tasks:
+            t.cancel()
+    finally:
+        for p in (flooder, checker, garbage_p2p):
+            await p.shutdown()
+    return result
+
+
+def test_flood_and_garbage_leave_the_daemon_healthy(swarm):
+    target = members(swarm)[1]
+    result = asyncio.run(_hostile_clients(target))
+    assert result["rate_limited"] > 0, result
+    assert result["garbage_answers"] > 0, result
+    assert result["health"] and all(h is True for h in result["health"]), result["health"]
+    assert target.alive
+    assert poll(lambda: rpc(target.rpc_url, "health")["ok"], what="health over HTTP after the flood")
+    m = poll(lambda: scrape(target), what="metrics after the flood")
+    assert m[("skippipe_rpc_requests_total", (("outcome", "rate_limited"), ("transport", "p2p")))] > 0
+    assert m[("skippipe_rpc_requests_total", (("outcome", "malformed"), ("transport", "p2p")))] > 0
+    assert m[("skippipe_rpc_requests_total", (("outcome", "malformed"), ("transport", "http")))] > 0
+    # The member is still a member everywhere.
+    for node in members(swarm):
+        assert target.peer_id in online_ids(node)
