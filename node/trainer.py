@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import math
 import time
@@ -55,6 +56,9 @@ __all__ = [
     "TrainerNode",
     "TrainingStalled",
     "TrainerService",
+    "TrainingDisagreement",
+    "training_summary",
+    "start_key",
     "norm_key",
 ]
 
@@ -614,49 +618,222 @@ class TrainerNode:
         self._executor.shutdown(wait=True)
 
 
+#: DHT key (one subkey per member) under which every trainer confirms the epoch it trains on.
+def start_key(run_id: str) -> str:
+    return f"{run_id}:trainstart"
+
+
+def training_summary(config: TrainerConfig, iterations: int) -> dict:
+    """The hyper-parameters every member of a run must share (compared before training starts)."""
+    from dataclasses import asdict
+
+    return {"model": config.model.to_dict(), "optim": asdict(config.optim), "data": asdict(config.data),
+            "averaging": asdict(config.averaging), "seed": config.seed, "iterations": int(iterations),
+            "memory_slots": config.memory_slots}
+
+
+def summary_differences(mine: dict, theirs: dict, prefix: str = "") -> List[str]:
+    """``["optim.lr: 0.001 here, 0.003 there", ...]`` (nested dicts flattened)."""
+    out = []
+    for k in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(k), theirs.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(summary_differences(a, b, f"{prefix}{k}."))
+        elif a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)):
+            out.append(f"{prefix}{k}: {a!r} here, {b!r} there")
+    return out
+
+
+class TrainingDisagreement(UserError):
+    """Members of the pinned epoch confirmed a different epoch, configuration or start iteration."""
+
+
 class TrainerService:
     """Runs a :class:`TrainerNode` inside the daemon (``Daemon(config, services=[TrainerService(...)])``).
 
     Implements the daemon's ``DaemonService`` protocol (``async start(daemon)``, ``async stop()``).
-    It waits for a schedule epoch that contains this peer, connects to every member through the
-    daemon's adverts, then trains ``iterations`` iterations on that epoch. The epoch is **pinned**
-    for the whole run: switching epochs needs every member to switch at the same iteration, which the
-    coordinator does not announce yet (issue #6).
+
+    **Epoch agreement.** The service pins one schedule epoch for the whole run (switching needs a
+    coordinator-announced switch iteration, issue #6). It pins the daemon's *current* epoch once
+    that epoch (a) contains this peer, (b) has at least ``min_members`` members and (c) has stayed
+    the current epoch for ``start_debounce_s`` (default 3 heartbeats). It then builds its stage,
+    and publishes one confirmation ``{epoch, config, start}`` under the DHT key
+    ``<run>:trainstart`` (subkey = its peer id). Each node pins exactly once, and nobody runs an
+    iteration before *every* member of its pinned epoch has confirmed that same epoch, the same
+    training configuration (:func:`training_summary`) and the same start iteration. So if any node
+    trains on epoch E, all members of E train on E; a member that pinned something else turns the
+    wait into a :class:`TrainingDisagreement` naming who and what differs, never a silent split.
+    Confirmations made before the pinned epoch was issued (an earlier session) are ignored.
+
+    Progress: the ``training`` RPC (``{"since": i, "limit": n}``) returns the state
+    (``waiting``/``agreeing``/``training``/``done``/``error``/``stopped``), the pinned epoch,
+    stage, committed iteration and recent :class:`IterationStats`.
     """
 
     def __init__(self, config: TrainerConfig, iterations: int, *, node_name: Optional[str] = None,
-                 on_iteration: Optional[Callable[[IterationStats], None]] = None, poll_s: float = 0.5):
+                 on_iteration: Optional[Callable[[IterationStats], None]] = None, poll_s: float = 0.5,
+                 min_members: int = 1, start_debounce_s: Optional[float] = None,
+                 agreement_timeout_s: float = 600.0, threads: Optional[int] = None):
         self.config, self.iterations = config, iterations
         self.node_name, self.on_iteration, self.poll_s = node_name, on_iteration, poll_s
+        self.min_members, self.start_debounce_s = max(1, int(min_members)), start_debounce_s
+        self.agreement_timeout_s, self.threads = agreement_timeout_s, threads
         self.trainer: Optional[TrainerNode] = None
-        self.stop_timeout_s = 120.0  # how long stop() lets the current iteration finish
+        self.stop_timeout_s = 6.0  # how long stop() lets the current iteration finish (the daemon allows 10 s)
         self.done = asyncio.Event()
         self.error: Optional[BaseException] = None
+        self.state = "waiting"
+        self.epoch = None  # the pinned ScheduleEpoch
+        self.start_iteration: Optional[int] = None
+        self.daemon = None
         self._task: Optional[asyncio.Task] = None
 
     async def start(self, daemon) -> None:
+        self.daemon = daemon
+        if self.threads:
+            torch.set_num_threads(int(self.threads))
+        run = getattr(daemon, "run", None)
+        if run is not None and run.num_stages != self.config.model.n_stages:
+            # the run's stage count (founder's --num-stages, sent in hello) decides; layers per stage stay
+            logger.info("model: %d stages for this run (instead of %d)", run.num_stages, self.config.model.n_stages)
+            self.config = replace(self.config, model=replace(self.config.model, n_stages=run.num_stages).validate())
+        if hasattr(daemon, "register_rpc"):
+            daemon.register_rpc("training", self._rpc_training)
         self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
+
+    @property
+    def debounce_s(self) -> float:
+        if self.start_debounce_s is not None:
+            return self.start_debounce_s
+        hb = getattr(getattr(self.daemon, "config", None), "heartbeat_s", 1.0)
+        return 3.0 * float(hb)
+
+    async def _choose_epoch(self, daemon):
+        me = str(daemon.peer_id)
+        seen, since, said = None, time.monotonic(), None
+        while True:
+            epoch = daemon.current_epoch
+            number = epoch.epoch if epoch is not None else None
+            if number != seen:
+                seen, since = number, time.monotonic()
+            if epoch is not None and me in epoch.members and len(epoch.members) >= self.min_members:
+                if time.monotonic() - since >= self.debounce_s:
+                    return epoch
+            elif epoch is not None and said != number:
+                said = number
+                logger.info("training waits: epoch %d has %d members (need %d)%s", number, len(epoch.members),
+                            self.min_members, "" if me in epoch.members else ", not including this node")
+            await asyncio.sleep(self.poll_s)
+
+    async def _confirm(self, epoch, summary: dict, start: int) -> None:
+        """Publish this node's pin, then wait until every member confirmed the same one."""
+        from node.compat import import_hivemind
+
+        import_hivemind()
+        from hivemind.utils import get_dht_time
+
+        me, key = self.trainer.peer_id, start_key(self.config.run_id)
+        record = {"epoch": int(epoch.epoch), "config": summary, "start": int(start), "time": time.time()}
+        await self.trainer.dht.store(key, record, expiration_time=get_dht_time() + 3600.0, subkey=me,
+                                     return_future=True)
+        deadline = time.monotonic() + self.agreement_timeout_s
+        not_after = float(epoch.issued_at) - 5.0  # older confirmations belong to an earlier session
+        while True:
+            res = await self.trainer.dht.get(key, latest=True, return_future=True)
+            found = {}
+            if res is not None and isinstance(res.value, dict):
+                for k, v in res.value.items():
+                    if str(k) in epoch.members and isinstance(v.value, dict) and float(v.value.get("time", 0)) >= not_after:
+                        found[str(k)] = v.value
+            for peer, r in found.items():
+                if int(r.get("epoch", -1)) != epoch.epoch:
+                    raise TrainingDisagreement(
+                        f"members disagree on the training epoch: {peer[-8:]} pinned epoch {r.get('epoch')}, "
+                        f"this node epoch {epoch.epoch} (membership changed within the start debounce; "
+                        f"restart with --min-members = the number of nodes)")
+                diff = summary_differences(summary, r.get("config") or {})
+                if diff:
+                    raise TrainingDisagreement(f"training configuration differs from {peer[-8:]}: " + "; ".join(diff))
+                if int(r.get("start", -1)) != start:
+                    raise TrainingDisagreement(
+                        f"checkpoints disagree on the iteration to start from: {peer[-8:]} starts at "
+                        f"{r.get('start')}, this node at {start} (use --resume on all nodes or none)")
+            if len(found) == len(epoch.members):
+                return
+            if time.monotonic() > deadline:
+                missing = [p[-8:] for p in epoch.members if p not in found]
+                raise TrainingStalled(f"members {missing} never confirmed epoch {epoch.epoch} "
+                                      f"within {self.agreement_timeout_s:.0f}s (are they running --train?)")
+            await asyncio.sleep(self.poll_s)
+
+    def _on_iteration(self, stats: IterationStats) -> None:
+        metrics = getattr(self.daemon, "metrics", None)
+        if metrics is not None and hasattr(metrics, "set_iteration"):
+            try:
+                metrics.set_iteration(stats.iteration, stats.loss, stats.tokens / max(stats.seconds, 1e-9))
+            except Exception:  # noqa: BLE001 - metrics never break training
+                logger.debug("metrics update failed", exc_info=True)
+        if self.on_iteration is not None:
+            self.on_iteration(stats)
 
     async def _main(self, daemon) -> None:
         try:
-            epoch = daemon.current_epoch
-            while epoch is None or str(daemon.peer_id) not in epoch.members:
-                await asyncio.sleep(self.poll_s)
-                epoch = daemon.current_epoch
+            epoch = await self._choose_epoch(daemon)
+            self.epoch, self.state = epoch, "agreeing"
+            logger.info("training pins schedule epoch %d (%d members)", epoch.epoch, len(epoch.members))
             for peer in epoch.members:
                 if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
                     logger.warning("cannot connect to schedule member %s yet", peer[-8:])
             self.trainer = TrainerNode(p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=epoch,
-                                       config=self.config, node_name=self.node_name, on_iteration=self.on_iteration)
+                                       config=self.config, node_name=self.node_name, on_iteration=self._on_iteration)
             await self.trainer.setup()
+            self.start_iteration = self.trainer.current_iteration
+            await self._confirm(epoch, training_summary(self.config, self.iterations), self.start_iteration)
+            self.state = "training"
+            logger.info("training stage %d from iteration %d to %d", self.trainer.stage, self.start_iteration,
+                        self.iterations)
             await self.trainer.run(self.iterations)
+            await self.trainer.save_checkpoint()
+            self.state = "done" if self.trainer.current_iteration >= self.iterations else "stopped"
+            logger.info("training %s at iteration %d", self.state, self.trainer.committed_iteration)
         except asyncio.CancelledError:
+            self.state = "stopped"
             raise
         except BaseException as e:
-            logger.exception("training stopped with an error")
-            self.error = e
+            if isinstance(e, UserError):
+                logger.error("training stopped: %s", e)
+            else:
+                logger.exception("training stopped with an error")
+            self.error, self.state = e, "error"
         finally:
             self.done.set()
+
+    async def _rpc_training(self, params: dict) -> dict:
+        try:
+            since = int(params.get("since", -1))
+            limit = max(1, int(params.get("limit", 100)))
+        except (TypeError, ValueError):
+            raise ValueError("since and limit must be integers") from None
+        from dataclasses import asdict
+
+        t = self.trainer
+        history = [asdict(s) for s in (t.history if t is not None else []) if s.iteration > since][-limit:]
+        return {
+            "peer_id": str(getattr(self.daemon, "peer_id", "")),
+            "node_name": self.node_name,
+            "state": self.state,
+            "error": str(self.error) if self.error is not None else None,
+            "epoch": self.epoch.epoch if self.epoch is not None else None,
+            "members": len(self.epoch.members) if self.epoch is not None else None,
+            "min_members": self.min_members,
+            "stage": t.stage if t is not None and t.runtime is not None else None,
+            "is_data_node": bool(t.is_data_node) if t is not None and t.runtime is not None else None,
+            "start_iteration": self.start_iteration,
+            "committed_iteration": t.committed_iteration if t is not None else None,
+            "iterations": self.iterations,
+            "overcommits": t.overcommits if t is not None else 0,
+            "history": history,
+        }
 
     async def stop(self) -> None:
         if self.trainer is not None:
@@ -666,5 +843,9 @@ class TrainerService:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout=self.stop_timeout_s)
             except (asyncio.TimeoutError, Exception):
                 self._task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._task
+        if self.state in ("waiting", "agreeing", "training"):
+            self.state = "stopped"
         if self.trainer is not None:
             await self.trainer.shutdown()

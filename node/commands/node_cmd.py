@@ -119,9 +119,12 @@ def setup_logging(level: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     config = config_from_args(args)
+    from node.commands.train_args import training_services_from_args
+
+    services = training_services_from_args(args)
     from node.daemon import run_daemon  # heavy imports only when actually running
 
-    return run_daemon(config)
+    return run_daemon(config, services)
 
 
 def register(subparsers) -> None:
@@ -131,4 +134,7 @@ def register(subparsers) -> None:
                          description="Start the node daemon. Without --initial-peers it starts a new swarm and "
                                      "prints the address others join with.")
     add_node_run_arguments(run)
+    from node.commands.train_args import add_training_arguments
+
+    add_training_arguments(run)
     run.set_defaults(func=_run)
