@@ -18,14 +18,16 @@ import logging
 import math
 import os
 import pathlib
+import signal
 import sys
 import time
+import types
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 from node.errors import UserError
 
-__all__ = ["register", "build_schedule", "scheduler_schedule", "LocalSwarm", "UpOptions", "run_up"]
+__all__ = ["register", "build_schedule", "scheduler_schedule", "LocalSwarm", "UpOptions", "run_up", "run_up_swarm"]
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +252,10 @@ class UpOptions:
     reorder: bool = True
     scheduler: str = "skippipe"  # "skippipe" (scheduler.paths) or "builtin" (build_schedule)
     quiet: bool = False
+    in_process: bool = False  # the in-process harness instead of one daemon process per node
+    heartbeat_s: float = 2.0  # daemons' heartbeat (daemon mode)
+    start_timeout_s: float = 480.0  # daemon mode: until the first iteration is committed
+    stall_timeout_s: float = 240.0  # daemon mode: longest wait for the next iteration
 
 
 def _parse_replicas(text: str, n_stages: int) -> List[int]:
@@ -380,13 +386,221 @@ async def run_up(opts: UpOptions) -> dict:
     return summary
 
 
+# ---------------------------------------------------------------------- daemon mode
+#: Where the daemons of ``skippipe up`` keep identities, logs and ready files (under --out).
+NODES_DIR = "nodes"
+RUN_ID = "up"
+_POLL_S = 1.0
+
+
+def _layout(opts: UpOptions):
+    """Model config, data config, replica counts (flag checks shared with the in-process harness)."""
+    from node.data import DataConfig
+    from node.model import model_config
+
+    if opts.iterations < 1:
+        raise UserError("--iterations must be at least 1")
+    mcfg = model_config(opts.model)
+    replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
+    build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches, opts.memory)
+    if opts.scheduler != "skippipe":
+        raise UserError("--scheduler builtin needs --in-process (the daemons' coordinator uses the SkipPipe scheduler)")
+    data_cfg = DataConfig(corpus=opts.corpus, microbatch_size=opts.microbatch_size, seed=opts.seed,
+                          seq_len=min(mcfg.context, 64) if opts.model == "tiny" else mcfg.context)
+    return mcfg, data_cfg, replicas
+
+
+def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[int], List[str]]:
+    def args(i: int) -> List[str]:
+        a = ["--train", "--model", opts.model, "--corpus", opts.corpus, "--iterations", str(opts.iterations),
+             "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(opts.checkpoint_every),
+             "--node-name", f"node{i}", "--min-members", str(n_nodes), "--lr", repr(opts.lr), "--seed", str(opts.seed),
+             "--microbatch-size", str(opts.microbatch_size), "--microbatches", str(opts.microbatches),
+             "--memory-slots", str(opts.memory), "--threads", "1", "--iteration-timeout", "180",
+             "--agreement-timeout", str(int(opts.start_timeout_s)), "--log-level", "INFO"]
+        return a + (["--resume"] if opts.resume else [])
+    return args
+
+
+def _stage_modules_from_checkpoints(ckpt_root: pathlib.Path, mcfg, seed: int, names: Dict[int, str]):
+    """Replica ``names[k]`` of every stage from its checkpoint (initial weights where there is none);
+    returns ``(modules, iterations)``."""
+    from node.checkpoint import CheckpointStore
+    from node.model import build_stage
+    from node.stage_runtime import OptimConfig, StageRuntime
+
+    modules, iters = [], []
+    for k in range(mcfg.n_stages):
+        rt = StageRuntime(build_stage(mcfg, k, seed), OptimConfig())
+        ckpt = CheckpointStore(ckpt_root, RUN_ID, k, names[k]).load()
+        if ckpt is not None:
+            rt.load_state_dict(ckpt.state)
+        iters.append(ckpt.iteration if ckpt is not None else -1)
+        modules.append(rt.module)
+    return modules, iters
+
+
+def run_up_swarm(opts: UpOptions) -> dict:
+    """``skippipe up`` on real daemons: one ``skippipe node run --train`` process per node.
+
+    Node 0 founds the swarm (it is also data node 0), the rest join through it; all run with
+    ``--min-members`` = the node count, so they train on the one epoch that holds everybody.
+    Progress comes from the data nodes' ``training`` RPC. Every daemon is stopped (process groups,
+    so no p2pd survives) on success, failure, Ctrl+C and SIGTERM.
+    """
+    from node.data import load_splits, validation_batches
+    from node.local_swarm import LocalSwarm as DaemonSwarm
+    from node.reference import evaluate_loss
+    from node.rpc import call_http
+
+    mcfg, data_cfg, replicas = _layout(opts)
+    out = pathlib.Path(opts.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create output folder {out}: {e}")
+    stage_sizes = [opts.data_nodes] + replicas
+    n_nodes = sum(stage_sizes)
+    # replica 0 of stage k is the first node index of that stage (LocalSwarm's layout)
+    first_of = {k: f"node{sum(stage_sizes[:k])}" for k in range(len(stage_sizes))}
+    splits = load_splits(data_cfg)
+    val = validation_batches(splits, data_cfg, VAL_BATCHES)
+    ckpt_root = out / "checkpoints"
+    before, ck_iters = _stage_modules_from_checkpoints(ckpt_root, mcfg, opts.seed, first_of)
+    if opts.resume and min(ck_iters) + 1 >= opts.iterations:
+        raise UserError(f"checkpoints are already at iteration {min(ck_iters) + 1}; ask for more --iterations")
+    val_before = evaluate_loss(before, val)  # initial weights, or the checkpoints resumed from
+    swarm = DaemonSwarm(n_nodes, stage_sizes, base_dir=out / NODES_DIR, run_id=RUN_ID, heartbeat_s=opts.heartbeat_s,
+                        path_length=opts.path_length, extra_args=_node_args(opts, out, n_nodes))
+    if not opts.quiet:
+        print(f"starting a local swarm of {n_nodes} daemons ({opts.data_nodes} data nodes, stage replicas {replicas}; "
+              f"node 0 founds it), model {opts.model}, path length {opts.path_length}/{mcfg.n_stages}, "
+              f"corpus {opts.corpus}; logs in {out / NODES_DIR}", file=sys.stderr)
+    progress = _Progress(opts.iterations, quiet=opts.quiet)
+    t_start = time.perf_counter()
+    history: List[dict] = []
+    first: Optional[int] = None
+    t_ready = t_first = None
+    leftover: List[int] = []
+    try:
+        swarm.start(timeout=opts.start_timeout_s)
+        t_ready = time.perf_counter()
+        data_nodes = [n for n in swarm.nodes if n.stage == 0]
+        lead = data_nodes[0]
+        last_progress = time.monotonic()
+        last_full_check = 0.0
+        states: Dict[int, dict] = {}
+        while True:
+            for node in swarm.nodes:
+                if not node.alive:
+                    raise UserError(f"node {node.index} (stage {node.stage}) exited: {swarm.last_error(node)}")
+            check_all = time.monotonic() - last_full_check > 5.0
+            for node in (swarm.nodes if check_all else data_nodes):
+                try:
+                    states[node.index] = call_http(node.rpc_url, "training",
+                                                   {"since": history[-1]["iteration"] if history else -1}
+                                                   if node is lead else {"limit": 1}, timeout=10.0)
+                except Exception:  # noqa: BLE001 - a busy node answers next time
+                    continue
+            if check_all:
+                last_full_check = time.monotonic()
+            for idx, st in states.items():
+                if st.get("state") == "error":
+                    raise UserError(f"training failed on node {idx}: {st.get('error')}")
+            lead_state = states.get(lead.index, {})
+            if first is None and lead_state.get("start_iteration") is not None:
+                first = int(lead_state["start_iteration"])
+            for h in lead_state.get("history", []):
+                if not history or h["iteration"] > history[-1]["iteration"]:
+                    history.append(h)
+                    last_progress = time.monotonic()
+                    t_first = t_first or time.perf_counter()
+                    progress(types.SimpleNamespace(**h))
+            lead_state["history"] = []
+            if all(states.get(n.index, {}).get("state") == "done" for n in swarm.nodes):
+                break
+            if all(states.get(n.index, {}).get("state") == "done" for n in data_nodes):
+                last_full_check = 0.0  # the others finish the same iteration: ask them at once
+            waited = time.monotonic() - last_progress
+            if not history and waited > opts.start_timeout_s:
+                raise UserError(f"training did not start within {opts.start_timeout_s:.0f} s "
+                                f"(states: {_state_line(states, swarm)}); see the logs in {out / NODES_DIR}")
+            if history and waited > opts.stall_timeout_s:
+                raise UserError(f"training stalled at iteration {history[-1]['iteration'] + 1}: no progress for "
+                                f"{waited:.0f} s (states: {_state_line(states, swarm)}); logs in {out / NODES_DIR}")
+            time.sleep(_POLL_S)
+    finally:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the clean stop
+        try:
+            swarm.stop()
+            leftover = [p for n in swarm.nodes for p in n.group_pids()]
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    t_end = time.perf_counter()
+    after, _ = _stage_modules_from_checkpoints(ckpt_root, mcfg, opts.seed, first_of)
+    val_after = evaluate_loss(after, val)
+    first = first if first is not None else 0
+    prev = out / "history.json"
+    if opts.resume and prev.exists():
+        old = [h for h in json.loads(prev.read_text()) if h["iteration"] < first]
+        history = old + [h for h in history if h["iteration"] >= first]
+    prev.write_text(json.dumps(history, indent=1))
+    plotted = _plot(history, out / "loss.png", f"skippipe up: {opts.model} on {opts.corpus} ({n_nodes} daemons)")
+    trained = [h for h in history if h["iteration"] >= first]
+    train_s = sum(h["seconds"] for h in trained)
+    summary = {
+        "mode": "daemons", "iterations": opts.iterations, "resumed_from": first, "nodes": n_nodes,
+        "data_nodes": opts.data_nodes, "replicas": replicas, "path_length": opts.path_length,
+        "n_stages": mcfg.n_stages, "model": opts.model, "corpus": opts.corpus, "scheduler": "skippipe",
+        "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "val_loss_before": val_before, "val_loss_after": val_after,
+        "tokens_per_s": sum(h["tokens"] for h in trained) / max(train_s, 1e-9),
+        "mean_iteration_s": train_s / max(len(trained), 1),
+        "startup_s": (t_first or t_end) - t_start, "daemons_ready_s": (t_ready or t_end) - t_start,
+        "wall_s": t_end - t_start, "loss_png": str(out / "loss.png") if plotted else None,
+        "checkpoints": str(ckpt_root), "leftover_processes": len(leftover),
+        "epoch": states.get(lead.index, {}).get("epoch") if t_ready else None,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _state_line(states: Dict[int, dict], swarm) -> str:
+    parts = []
+    for n in swarm.nodes:
+        st = states.get(n.index)
+        parts.append(f"node{n.index}=" + (f"{st.get('state')}@{st.get('committed_iteration')}" if st else "?"))
+    return " ".join(parts)
+
+
+def _print_summary(summary: dict, out: str) -> None:
+    print(f"done: {summary['iterations']} iterations on {summary['nodes']} nodes in {summary['wall_s']:.1f} s "
+          f"(startup {summary['startup_s']:.1f} s)")
+    print(f"  train loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f};  validation loss (full model) "
+          f"{summary['val_loss_before']:.4f} -> {summary['val_loss_after']:.4f}")
+    print(f"  {summary['tokens_per_s']:,.0f} tokens/s, {summary['mean_iteration_s']:.2f} s per iteration")
+    print(f"  loss curve: {summary['loss_png']}  summary: {pathlib.Path(out) / 'summary.json'}")
+
+
 def _handler(args: argparse.Namespace) -> int:
     opts = UpOptions(iterations=args.iterations, out=args.out, model=args.model, corpus=args.corpus,
                      data_nodes=args.data_nodes, replicas=args.replicas, path_length=args.path_length,
                      microbatches=args.microbatches, microbatch_size=args.microbatch_size, memory=args.memory,
                      lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                     reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet)
+                     reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet,
+                     in_process=args.in_process)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not opts.in_process:
+        def on_term(signum, frame):
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+        try:
+            summary = run_up_swarm(opts)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        _print_summary(summary, args.out)
+        return 0
     try:
         import uvloop
 
@@ -394,12 +608,7 @@ def _handler(args: argparse.Namespace) -> int:
     except ImportError:
         runner = asyncio.run
     summary = runner(run_up(opts))
-    print(f"done: {summary['iterations']} iterations on {summary['nodes']} nodes in {summary['wall_s']:.1f} s "
-          f"(startup {summary['startup_s']:.1f} s)")
-    print(f"  train loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f};  validation loss (full model) "
-          f"{summary['val_loss_before']:.4f} -> {summary['val_loss_after']:.4f}")
-    print(f"  {summary['tokens_per_s']:,.0f} tokens/s, {summary['mean_iteration_s']:.2f} s per iteration")
-    print(f"  loss curve: {summary['loss_png']}  summary: {pathlib.Path(args.out) / 'summary.json'}")
+    _print_summary(summary, args.out)
     return 0
 
 
@@ -428,4 +637,6 @@ def register(subparsers) -> None:
                    help="paths from the SkipPipe path scheduler (default) or a fixed round-robin of stage subsets")
     p.add_argument("--no-reorder", action="store_true", help="builtin scheduler: keep every path in stage order")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every node in this process (the test/benchmark harness) instead of one daemon per node")
     p.set_defaults(func=_handler)
