@@ -11,13 +11,13 @@ pytestmark = pytest.mark.timeout(400)
 
 
 async def test_up_writes_curve_summary_and_resumes(tmp_path):
-    opts = UpOptions(iterations=3, out=str(tmp_path), checkpoint_every=2, quiet=True)
+    opts = UpOptions(iterations=3, out=str(tmp_path), checkpoint_every=2, quiet=True, in_process=True)
     summary = await run_up(opts)
     assert summary["iterations"] == 3 and summary["nodes"] == 9
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == summary["final_loss"]
     assert summary["final_loss"] < summary["first_loss"]
-    again = await run_up(UpOptions(iterations=4, out=str(tmp_path), resume=True, quiet=True))
+    again = await run_up(UpOptions(iterations=4, out=str(tmp_path), resume=True, quiet=True, in_process=True))
     assert again["resumed_from"] == 3
     history = json.loads((tmp_path / "history.json").read_text())
     assert [h["iteration"] for h in history] == [0, 1, 2, 3]
@@ -27,8 +27,22 @@ async def test_up_writes_curve_summary_and_resumes(tmp_path):
     (["up", "--replicas", "1,2"], "--replicas needs 5"),
     (["up", "--iterations", "0"], "--iterations must be at least 1"),
     (["up", "--model", "tiny", "--path-length", "9"], "path length must be in 1..6"),
+    (["up", "--scheduler", "builtin"], "--scheduler builtin needs --in-process"),
+    (["up", "--in-process", "--iterations", "0"], "--iterations must be at least 1"),
 ])
 def test_up_rejects_bad_flags_with_one_line(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--iterations", "0"], "--iterations must be at least 1"),
+    (["--min-members", "0"], "--min-members must be at least 1"),
+])
+def test_node_run_train_rejects_bad_flags_with_one_line(argv, message, capsys, tmp_path):
+    base = ["node", "run", "--train", "--identity", str(tmp_path / "id.key"), "--rpc-port", "-1"]
+    assert main(base + argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
