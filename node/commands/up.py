@@ -1,10 +1,12 @@
 """``skippipe up``: train a tiny model on a local swarm, with no flags needed.
 
-Until the daemon (``skippipe node run``) hosts trainers, the swarm here is an in-process harness,
-:class:`LocalSwarm`: one real hivemind ``P2P`` (its own p2pd) and ``DHT`` per node on 127.0.0.1
-plus a bootstrap peer, each node a :class:`node.trainer.TrainerNode` exactly as the daemon will
-run it, with a hand-built schedule (:func:`build_schedule`). Tests and the benchmark use the same
-harness. Outputs: a progress line per iteration, ``loss.png``, ``history.json`` and
+By default (:func:`run_up_swarm`) every node is a real daemon: one ``skippipe node run --train``
+process per node on 127.0.0.1, started and stopped by :class:`node.local_swarm.LocalSwarm`, with
+progress read from the data nodes' ``training`` RPC. ``--in-process`` keeps the older harness,
+:class:`LocalSwarm` here: one real hivemind ``P2P`` (its own p2pd) and ``DHT`` per node in this
+process plus a bootstrap peer, each node a :class:`node.trainer.TrainerNode` exactly as the daemon
+runs it, with a hand-built or loopback-scheduled schedule (:func:`build_schedule`); tests and the
+benchmark use it. Outputs: a progress line per iteration, ``loss.png``, ``history.json`` and
 ``summary.json`` under ``--out``.
 """
 
