@@ -8,6 +8,10 @@ message (msgpack envelope whose tensor payload is the raw little-endian bytes of
 Ordering per neighbour is preserved (one writer lock per stream); a broken stream is reopened
 once before the send fails. The receive side only decodes and hands the message to a callback
 that must not block (the trainer enqueues it), so the sender is never stalled by our compute.
+
+WAN emulation (off unless a :class:`node.link_emulation.LinkEmulator` is passed): before a frame
+to a peer is written, the sender waits until the emulated link would have delivered it (latency +
+bytes / bandwidth, concurrent sends to one peer serialised), so the receiver never sees it earlier.
 """
 
 from __future__ import annotations
@@ -52,8 +56,10 @@ class _Outgoing:
 class DataPlane:
     """Send/receive data-plane messages for one node over its hivemind ``P2P``."""
 
-    def __init__(self, p2p, run_id: str, on_message: MessageHandler):
+    def __init__(self, p2p, run_id: str, on_message: MessageHandler, emulator=None):
+        """``emulator``: optional :class:`node.link_emulation.LinkEmulator`; None (default) = no emulation."""
         self.p2p = p2p
+        self.emulator = emulator
         self.name = handler_name(run_id)
         self.peer_id = str(p2p.peer_id)
         self._on_message = on_message
@@ -105,6 +111,9 @@ class DataPlane:
             return
         hivemind = import_hivemind()
         data = encode(msg)
+        if self.emulator is not None:
+            # reserve the emulated link now (in send order), wait out its delivery time, then write
+            await self.emulator.transmit(peer, len(data))
         out = self._out.setdefault(peer, _Outgoing())
         async with out.lock:
             for attempt in range(SEND_RETRIES + 1):

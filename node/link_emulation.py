@@ -16,9 +16,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Optional
 
-__all__ = ["LinkSpec", "LinkEmulator", "ComputePadder"]
+__all__ = ["LinkSpec", "LinkEmulator", "ComputePadder", "Emulation", "profile_link_spec", "profile_links"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,15 @@ class ComputePadder:
     def target_s(self, kind: str, samples: int, layers: int) -> float:
         return self.s_per_sample_per_layer * samples * layers * self.factors[kind]
 
+    def pad_blocking(self, kind: str, started_at: float, samples: int, layers: int) -> float:
+        """Like :meth:`pad` but sleeps the calling thread: for the compute worker thread, so the node
+        stays busy (its one compute thread is occupied) exactly as long as the emulated step takes."""
+        remaining = started_at + self.target_s(kind, samples, layers) - self._clock()
+        if remaining > 0:
+            time.sleep(remaining)
+            return remaining
+        return 0.0
+
     async def pad(self, kind: str, started_at: float, samples: int, layers: int) -> float:
         """Sleep until ``started_at + target``; return how long we slept (0 if compute was already slower)."""
         remaining = started_at + self.target_s(kind, samples, layers) - self._clock()
@@ -118,3 +127,77 @@ class ComputePadder:
             await self._sleep(remaining)
             return remaining
         return 0.0
+
+
+#: Milliseconds per second (profiles state latency in ms).
+_MS = 1000.0
+#: Bytes per GiB (profiles state bandwidth in GiB/s).
+_GIB = 2**30
+
+
+def profile_link_spec(profile, a: str, b: str, *, latency_scale: float = 1.0, bandwidth_scale: float = 1.0,
+                      hop_overhead_s: float = 0.0) -> LinkSpec:
+    """The emulated link between locations ``a`` and ``b`` of a :class:`scheduler.cost.LinkProfile`.
+
+    ``latency_scale``/``bandwidth_scale`` let a 2-core machine replay a profile faster (and a tiny model stand in
+    for a big one: scale bandwidth by the activation-size ratio). ``hop_overhead_s`` is a fixed delay per message
+    that does not occupy the link (the cost model's per-hop overhead), added to the latency.
+    """
+    link = profile.link(a, b)
+    return LinkSpec(latency_s=link.latency_ms / _MS * latency_scale + hop_overhead_s,
+                    bandwidth_Bps=link.bandwidth_GiBps * _GIB * bandwidth_scale)
+
+
+def profile_links(profile, my_location: str, location_of: Callable[[str], Optional[str]], **scales: float
+                  ) -> Callable[[str], Optional[LinkSpec]]:
+    """``link_for`` for :class:`LinkEmulator`: peer id -> its location (``location_of``) -> the profile's link.
+
+    A peer without a known location (or at a location the profile lacks) is not emulated, with one warning.
+    """
+    cache: dict = {}
+    warned: set = set()
+
+    def link_for(peer_id: str) -> Optional[LinkSpec]:
+        loc = location_of(peer_id)
+        if loc is None or loc not in profile.locations:
+            if peer_id not in warned:
+                warned.add(peer_id)
+                logger.warning("link emulation: no known location for peer %s (%r); its link is not emulated",
+                               peer_id[-8:], loc)
+            return None
+        if loc not in cache:
+            cache[loc] = profile_link_spec(profile, my_location, loc, **scales)
+        return cache[loc]
+
+    return link_for
+
+
+class Emulation:
+    """What one node emulates: its links (``link_emulator``) and/or its compute (``padder``); either may be None.
+
+    Built only when asked for (``--network-profile`` / ``--compute-s-per-sample-per-layer``); a node without
+    an :class:`Emulation` runs its data plane and compute untouched.
+    """
+
+    def __init__(self, link_emulator: Optional[LinkEmulator] = None, padder: Optional[ComputePadder] = None):
+        self.link_emulator = link_emulator
+        self.padder = padder
+
+    @classmethod
+    def for_node(cls, *, profile=None, location: Optional[str] = None,
+                 peer_locations: "Mapping[str, str] | Callable[[str], Optional[str]] | None" = None,
+                 compute_s_per_sample_per_layer: Optional[float] = None, latency_scale: float = 1.0,
+                 bandwidth_scale: float = 1.0, hop_overhead_s: float = 0.0) -> "Emulation":
+        """Links from ``profile`` as seen from ``location`` (peer locations: a map or a lookup function)."""
+        emulator = None
+        if profile is not None:
+            if location is None or location not in profile.locations:
+                raise ValueError(f"location {location!r} is not in profile {profile.name!r} "
+                                 f"(one of {', '.join(profile.locations)})")
+            lookup = peer_locations.get if isinstance(peer_locations, Mapping) else peer_locations
+            if lookup is None:
+                raise ValueError("link emulation needs the peers' locations")
+            emulator = LinkEmulator(profile_links(profile, location, lookup, latency_scale=latency_scale,
+                                                  bandwidth_scale=bandwidth_scale, hop_overhead_s=hop_overhead_s))
+        padder = ComputePadder(compute_s_per_sample_per_layer) if compute_s_per_sample_per_layer is not None else None
+        return cls(emulator, padder)

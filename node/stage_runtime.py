@@ -11,12 +11,18 @@ node, never concurrently, so autograd state is never shared between threads.
 
 The optimizer arithmetic (:func:`make_optimizer`, :func:`clip_coefficient`) lives here so that the
 swarm and the single-process reference use literally the same code.
+
+Compute emulation (off unless a :class:`node.link_emulation.ComputePadder` is given): each step
+is padded, in the calling compute thread, to ``s/sample/layer x samples x layers x factor`` with
+the cost model's factors (forward 1, backward 1.5, loss 0.25), so the node is busy as long as the
+emulated hardware would be.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
@@ -73,8 +79,11 @@ class _InFlight:
 class StageRuntime:
     """One stage's module plus the autograd state of the microbatches currently inside it."""
 
-    def __init__(self, module: StageModule, optim: OptimConfig, device: str = "cpu"):
+    def __init__(self, module: StageModule, optim: OptimConfig, device: str = "cpu", padder=None):
+        """``padder``: optional :class:`node.link_emulation.ComputePadder`; None (default) = real compute only."""
         self.module = module.to(device)
+        self.padder = padder
+        self.n_layers = len(module.layers)
         self.device = device
         self.stage = module.stage
         self.optim_cfg = optim
@@ -91,10 +100,16 @@ class StageRuntime:
 
     def forward(self, key: Hashable, hidden: torch.Tensor) -> torch.Tensor:
         """Apply this stage's layers; returns the activation to send on (detached)."""
+        t0 = time.monotonic()
         x = hidden.to(self.device).detach().requires_grad_(True)
         y = self.module(x)
         self._hold(key, _InFlight(x, y))
+        self._pad("forward", t0, hidden)
         return y.detach()
+
+    def _pad(self, kind: str, started_at: float, batch: torch.Tensor) -> None:
+        if self.padder is not None:
+            self.padder.pad_blocking(kind, started_at, int(batch.shape[0]), self.n_layers)
 
     def _hold(self, key: Hashable, state: _InFlight) -> None:
         if key in self._in_flight:
@@ -104,16 +119,20 @@ class StageRuntime:
 
     def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor:
         """Backward through the stored graph; returns d loss / d input and frees the microbatch."""
+        t0 = time.monotonic()
         state = self._in_flight.pop(key)
         state.outputs.backward(grad_output.to(self.device))
         self.visits += 1
         assert state.inputs is not None and state.inputs.grad is not None
+        self._pad("backward", t0, grad_output)
         return state.inputs.grad.detach()
 
     def start(self, key: Hashable, tokens: torch.Tensor) -> torch.Tensor:
         """Data node: embedding + stage-0 layers for a new microbatch."""
+        t0 = time.monotonic()
         y = self.module.embed(tokens.to(self.device))
         self._hold(key, _InFlight(None, y))
+        self._pad("forward", t0, tokens)
         return y.detach()
 
     def loss_backward(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[float, torch.Tensor]:
@@ -121,17 +140,21 @@ class StageRuntime:
 
         Stores nothing: the head's graph is freed right here and only the gradient goes back.
         """
+        t0 = time.monotonic()
         x = hidden.to(self.device).detach().requires_grad_(True)
         loss = self.module.head_loss(x, targets.to(self.device))
         loss.backward()
         assert x.grad is not None
+        self._pad("loss", t0, hidden)
         return float(loss.detach()), x.grad.detach()
 
     def finish(self, key: Hashable, grad_output: torch.Tensor) -> None:
         """Data node: backward through stage-0 layers + embedding; the microbatch is complete."""
+        t0 = time.monotonic()
         state = self._in_flight.pop(key)
         state.outputs.backward(grad_output.to(self.device))
         self.visits += 1
+        self._pad("backward", t0, grad_output)
 
     def drop(self, key: Hashable) -> bool:
         """Forget a microbatch that will never come back (failed hop)."""

@@ -1,0 +1,92 @@
+"""Compute padding in StageRuntime (lower bounds only) and the emulation flags (off by default)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+import types
+
+import pytest
+import torch
+
+from node.emulation_args import add_emulation_arguments, daemon_peer_locations, emulation_from_args
+from node.errors import UserError
+from node.link_emulation import ComputePadder
+from node.model import build_stage, model_config
+from node.stage_runtime import OptimConfig, StageRuntime
+
+S_PER_SAMPLE_PER_LAYER = 0.02
+SAMPLES = 4
+#: time.sleep never returns early, but the monotonic clock has finite resolution.
+CLOCK_TOLERANCE_S = 0.001
+
+
+def runtime(stage: int, padder=None) -> StageRuntime:
+    cfg = model_config("tiny")
+    return StageRuntime(build_stage(cfg, stage, 0), OptimConfig(), padder=padder)
+
+
+def timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return time.monotonic() - t0, out
+
+
+def test_runtime_without_padder_is_not_padded():
+    assert runtime(1).padder is None
+
+
+def test_forward_backward_and_loss_are_padded_to_their_targets():
+    pad = ComputePadder(S_PER_SAMPLE_PER_LAYER)
+    cfg = model_config("tiny")
+    mid, data = runtime(1, pad), runtime(0, pad)
+    layers = cfg.layers_per_stage
+    hidden = torch.randn(SAMPLES, 16, cfg.d_model)
+    f_s, y = timed(mid.forward, "k", hidden)
+    assert f_s >= pad.target_s("forward", SAMPLES, layers) - CLOCK_TOLERANCE_S
+    b_s, _ = timed(mid.backward, "k", torch.ones_like(y))
+    assert b_s >= pad.target_s("backward", SAMPLES, layers) - CLOCK_TOLERANCE_S
+    tokens = torch.randint(0, cfg.vocab_size, (SAMPLES, 16))
+    s_s, h = timed(data.start, "m", tokens)
+    assert s_s >= pad.target_s("forward", SAMPLES, layers) - CLOCK_TOLERANCE_S
+    l_s, (_, g) = timed(data.loss_backward, h, tokens)
+    assert l_s >= pad.target_s("loss", SAMPLES, layers) - CLOCK_TOLERANCE_S
+    fin_s, _ = timed(data.finish, "m", g)
+    assert fin_s >= pad.target_s("backward", SAMPLES, layers) - CLOCK_TOLERANCE_S
+
+
+def parse(argv, location=True):
+    p = argparse.ArgumentParser()
+    if not location:
+        p.add_argument("--location")
+    add_emulation_arguments(p, location=location)
+    return p.parse_args(argv)
+
+
+def test_flags_are_off_by_default():
+    assert emulation_from_args(parse([])) is None
+    assert emulation_from_args(parse([], location=False)) is None
+
+
+def test_flags_build_an_emulation(tmp_path):
+    import json
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"locations": ["A", "B"], "links": {"A-B": {"latency_ms": 10, "bandwidth_GiBps": 1}}}))
+    s = emulation_from_args(parse(["--network-profile", str(prof), "--location", "A", "--latency-scale", "2",
+                                   "--compute-s-per-sample-per-layer", "0.01"], location=False))
+    emu = s.build({"peer": "B"})
+    link = emu.link_emulator._link_for("peer")
+    assert link.latency_s == pytest.approx(0.02)
+    assert emu.padder.s_per_sample_per_layer == 0.01
+    with pytest.raises(UserError):
+        emulation_from_args(parse(["--network-profile", str(prof)]))
+    with pytest.raises(UserError):
+        emulation_from_args(parse(["--network-profile", str(prof), "--location", "Z"]))
+
+
+def test_daemon_view_locations():
+    advert = types.SimpleNamespace(location="B")
+    view = types.SimpleNamespace(get=lambda pid: types.SimpleNamespace(advert=advert) if pid == "p" else None)
+    lookup = daemon_peer_locations(types.SimpleNamespace(view=view))
+    assert lookup("p") == "B" and lookup("q") is None
