@@ -175,8 +175,9 @@ class TrainerNode:
 
     def __init__(self, *, p2p, dht, peer_id: str, epoch: EpochSource, config: TrainerConfig,
                  splits: Optional[TokenSplits] = None, node_name: Optional[str] = None,
-                 on_iteration: Optional[Callable[[IterationStats], None]] = None):
+                 on_iteration: Optional[Callable[[IterationStats], None]] = None, emulation=None):
         self.p2p, self.dht, self.peer_id = p2p, dht, str(peer_id)
+        self.emulation = emulation  # optional node.link_emulation.Emulation (WAN/compute emulation); None = off
         self._epoch_source = epoch
         self.cfg = config
         self._splits = splits
@@ -240,7 +241,8 @@ class TrainerNode:
 
         self._bind_epoch(self._current_epoch())
         module = build_stage(self.cfg.model, self.stage, self.cfg.seed)
-        self.runtime = StageRuntime(module, self.cfg.optim, self.cfg.device)
+        self.runtime = StageRuntime(module, self.cfg.optim, self.cfg.device,
+                                    padder=getattr(self.emulation, "padder", None))
         if self.cfg.checkpoint_dir:
             self.checkpoints = CheckpointStore(self.cfg.checkpoint_dir, self.cfg.run_id, self.stage, self.node_name)
             if self.cfg.resume:
@@ -257,7 +259,8 @@ class TrainerNode:
             self.shard = DataShard(splits, self.cfg.data, self.plan.data_nodes.index(self.index),
                                    len(self.plan.data_nodes))
         await self._build_averager()
-        self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self._on_message)
+        self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self._on_message,
+                                   emulator=getattr(self.emulation, "link_emulator", None))
         await self.dataplane.start()
         self._worker_task = asyncio.create_task(self._worker(), name=f"trainer-worker-{self.node_name}")
 

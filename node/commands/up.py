@@ -116,7 +116,11 @@ class LocalSwarm:
     """A swarm of :class:`TrainerNode` on 127.0.0.1, all in this process (one p2pd + DHT each)."""
 
     def __init__(self, schedule: dict, config, splits=None, threads_per_node: Optional[int] = 1,
-                 on_iteration: Optional[Callable] = None):
+                 on_iteration: Optional[Callable] = None,
+                 emulation_for: Optional[Callable[[int, Sequence[str]], object]] = None):
+        """``emulation_for(i, members)``: optional per-node :class:`node.link_emulation.Emulation` (off by default).
+        ``self.epoch`` may be replaced between iterations (same allocation) to switch schedules."""
+        self.emulation_for = emulation_for
         self.schedule, self.config, self.splits = schedule, config, splits
         self.threads_per_node = threads_per_node
         self.on_iteration = on_iteration
@@ -160,9 +164,10 @@ class LocalSwarm:
         self.epoch = ScheduleEpoch(self.config.run_id, 0, str(self._bootstrap.peer_id), time.time(), members,
                                    self.schedule, b"")
         for i, (p2p, dht) in enumerate(zip(self.p2ps, self.dhts)):
-            node = TrainerNode(p2p=p2p, dht=dht, peer_id=members[i], epoch=self.epoch, config=self.config,
+            node = TrainerNode(p2p=p2p, dht=dht, peer_id=members[i], epoch=lambda: self.epoch, config=self.config,
                                splits=self.splits, node_name=f"node{i}",
-                               on_iteration=self.on_iteration if i == 0 else None)
+                               on_iteration=self.on_iteration if i == 0 else None,
+                               emulation=self.emulation_for(i, members) if self.emulation_for else None)
             await node.setup()
             self.nodes.append(node)
         logger.info("local swarm of %d nodes ready", self.n_nodes)
