@@ -139,13 +139,13 @@ class SwarmAccess:
 
     def check_hello(self, peer_id: str | None, proof: object) -> str | None:
         """Why a joiner is refused in ``hello`` (None = welcome)."""
-        if peer_id is not None and not self.listed(peer_id):
-            return f"access denied: peer {peer_id} is not in this swarm's allowlist"
         if self.swarm_key is not None:
             if not isinstance(proof, str) or peer_id is None:
                 return "access denied: this swarm needs a swarm key (--swarm-key FILE)"
             if not hmac.compare_digest(self.hello_proof(peer_id), proof):
                 return "access denied: wrong swarm key (--swarm-key FILE differs from this swarm's)"
+        if peer_id is not None and not self.listed(peer_id):
+            return f"access denied: peer {peer_id} is not in this swarm's allowlist (--allow-peers)"
         return None
 
 

@@ -29,6 +29,7 @@ and :attr:`Daemon.epoch_changed`; report training progress through :attr:`Daemon
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -93,6 +94,10 @@ DHT_SHUTDOWN_TIMEOUT_S = 5.0
 DEFAULT_NUM_STAGES = 2
 #: One warning per gossip sender that is dropped by access control at most this often.
 DROPPED_GOSSIP_LOG_EVERY_S = 30.0
+#: Distinct dropped gossip senders remembered (for status); the table restarts when full.
+MAX_TRACKED_DROPPED_SENDERS = 1024
+#: Dropped gossip senders listed in status (the most frequent ones).
+STATUS_DROPPED_SENDERS = 20
 #: Iterations the ``iterations`` RPC returns when the caller does not say.
 DEFAULT_RECENT_ITERATIONS = 200
 
@@ -187,6 +192,8 @@ class Daemon:
             on_request=self.metrics.count_rpc,
         )
         self._dropped_log: dict[str, float] = {}
+        #: Gossip messages dropped by access control, per sending gossip id (bounded).
+        self.gossip_dropped_from: collections.Counter[str] = collections.Counter()
         self.view: SwarmView | None = None
         self.adverts: AdvertStore | None = None
         self.coordinator: Coordinator | None = None
@@ -209,6 +216,8 @@ class Daemon:
         self.last_announce_s = 0.0
         self.last_refresh_s = 0.0
         self._refresh_now = asyncio.Event()
+        #: Completed view refreshes (status: lets a test wait for "the view has been re-read").
+        self.view_refreshes = 0
         self._probe_cursor = 0
         self._gossip_dialing: set[str] = set()
         self._topics: dict[str, str] = {}
@@ -601,6 +610,7 @@ class Daemon:
             try:
                 rounds += 1
                 await self._refresh_view()
+                self.view_refreshes += 1
                 self._update_view_metrics()
                 await self._maintain_gossip()
                 if rounds % EPOCH_DHT_POLL_HEARTBEATS == 0:
@@ -695,6 +705,9 @@ class Daemon:
         if entry is not None and self.is_peer_allowed(entry.peer_id):
             return True
         self.metrics.count_gossip_dropped("not_allowed")
+        if gossip_id not in self.gossip_dropped_from and len(self.gossip_dropped_from) >= MAX_TRACKED_DROPPED_SENDERS:
+            self.gossip_dropped_from.clear()
+        self.gossip_dropped_from[gossip_id] += 1
         now = time.monotonic()
         if now - self._dropped_log.get(gossip_id, -DROPPED_GOSSIP_LOG_EVERY_S) >= DROPPED_GOSSIP_LOG_EVERY_S:
             if len(self._dropped_log) > 1024:
@@ -849,6 +862,7 @@ class Daemon:
             "heartbeat_s": self.config.heartbeat_s,
             "last_announce_s": round(self.last_announce_s, 3),
             "last_refresh_s": round(self.last_refresh_s, 3),
+            "view_refreshes": self.view_refreshes,
             "uptime_s": round(time.time() - self.started_at, 3),
             "pid": os.getpid(),
             "known_peers": len(self.view.alive()) if self.view else 0,
@@ -857,6 +871,7 @@ class Daemon:
             "access_control": {
                 "swarm_key": self.access.swarm_key is not None,
                 "allowlist": len(self.access.allowed_peers) if self.access.allowed_peers is not None else None,
+                "gossip_dropped_from": dict(self.gossip_dropped_from.most_common(STATUS_DROPPED_SENDERS)),
             },
             "coordinator_status": self.coordinator.status if self.coordinator else None,
         }

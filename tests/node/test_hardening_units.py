@@ -172,6 +172,25 @@ def test_validator_enforces_swarm_key_and_allowlist(identities):
     assert not listed(_record(b, encode(advert(b_id)), make_record_validators(b.private_key)))
 
 
+def test_is_peer_allowed_combines_allowlist_and_accepted_adverts(identities):
+    from node.config import DaemonConfig
+    from node.daemon import Daemon
+
+    a, b, c = (i.peer_id.to_base58() for i in identities)
+    daemon = Daemon(DaemonConfig())
+    daemon.peer_id = a
+    daemon.view = SwarmView(run_id="r", self_id=a)
+    daemon.view.update_from_dht({b: FetchedAdvert(advert(b), b"k", time.time() + 60)})
+    assert daemon.is_peer_allowed(c)  # open swarm
+    daemon.access = SwarmAccess(KEY)
+    assert daemon.is_peer_allowed(b) and not daemon.is_peer_allowed(c)  # c has no proved advert
+    daemon.access = SwarmAccess(KEY, frozenset({a, c}))
+    assert not daemon.is_peer_allowed(b) and not daemon.is_peer_allowed(c)
+    assert daemon.is_peer_allowed(a)  # ourselves
+    daemon.access = SwarmAccess(allowed_peers=frozenset({c}))
+    assert daemon.is_peer_allowed(c) and not daemon.is_peer_allowed(b)
+
+
 # ---------------------------------------------------------------- schedules from the wrong signer
 def _view(identities, self_index):
     ids = [i.peer_id.to_base58() for i in identities]

@@ -1,9 +1,11 @@
 """Real daemons of a private swarm (``--swarm-key``): metrics, intruders, floods and garbage.
 
-Three members share a key; two intruders join through a member with the courtesy hello check
-switched off (playing modified clients): one with the wrong key, one with none. Neither may
-appear in a member's view or schedule, and the keyless one, which *can* read the members'
-sealed adverts and so dials their gossip, must have its gossip dropped. Waits are polls with a
+Three members share a key and an allowlist; three intruders join through a member with the
+courtesy hello check switched off (playing modified clients): one with the wrong key and one
+with none (both listed in the allowlist, so only the key keeps them out), one with the right
+key but not in the allowlist. None may appear in a
+member's view or schedule, and the keyless one, which *can* read the members' sealed adverts
+and so dials their gossip, must have its gossip dropped. Waits are polls with a
 generous deadline, never timing assertions.
 """
 
@@ -13,12 +15,14 @@ import asyncio
 import os
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.local_swarm import LocalNode, LocalSwarm
+from node.rpc import RpcCallError
 from tests.node.helpers import DEADLINE_S, error_lines, poll, rpc, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -43,19 +47,28 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, keys):
+    from node.identity import load_or_create_identity
+
+    base = tmp_path_factory.mktemp("private")
+    allowlist = base / "members.txt"
+    member_key = ["--swarm-key", str(keys / "swarm.key"), "--allow-peers", str(allowlist)]
     intruder_args = {
         MEMBERS: ["--swarm-key", str(keys / "wrong.key"), "--no-access-handshake"],
         MEMBERS + 1: ["--no-access-handshake"],
+        MEMBERS + 2: ["--swarm-key", str(keys / "swarm.key"), "--no-access-handshake"],  # right key, not listed
     }
+    ids = [load_or_create_identity(base / f"node{i}" / "identity.key").peer_id.to_base58() for i in range(MEMBERS)]
+    # The wrong-key and keyless intruders ARE listed: only the swarm key keeps them out.
+    ids += [load_or_create_identity(base / f"intruder{i}" / "identity.key").peer_id.to_base58() for i in (MEMBERS, MEMBERS + 1)]
+    allowlist.write_text("# members of the private run\n" + "".join(f"{pid}  # node {i}\n" for i, pid in enumerate(ids)))
 
     def extra(index: int) -> list[str]:
-        return intruder_args.get(index, ["--swarm-key", str(keys / "swarm.key")]) + RATE_ARGS
+        return intruder_args.get(index, member_key) + RATE_ARGS
 
-    base = tmp_path_factory.mktemp("private")
     s = LocalSwarm(MEMBERS, STAGE_SIZES, base_dir=base, run_id=RUN_ID, heartbeat_s=HEARTBEAT_S, extra_args=extra)
     s.start()
     try:
-        for index in intruder_args:  # both intruders hold stage 1, next to a real member
+        for index in intruder_args:  # the intruders hold stage 1, next to a real member
             s.nodes.append(LocalNode(index=index, stage=1, workdir=base / f"intruder{index}", args=[]))
             s.spawn(s.nodes[-1])
         s.wait_ready(s.nodes[MEMBERS:])
@@ -73,10 +86,16 @@ def intruders(swarm):
 
 
 def scrape(node) -> dict[tuple[str, tuple], float]:
-    """``/metrics`` of ``node`` parsed with prometheus_client: {(sample name, labels): value}."""
-    with urllib.request.urlopen(node.rpc_url + "/metrics", timeout=10) as resp:
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        text = resp.read().decode()
+    """``/metrics`` of ``node`` parsed with prometheus_client: {(sample name, labels): value}.
+
+    A 429 (our own polling after the HTTP flood) is raised as RpcCallError: "not yet" for poll().
+    """
+    try:
+        with urllib.request.urlopen(node.rpc_url + "/metrics", timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            text = resp.read().decode()
+    except urllib.error.HTTPError as e:
+        raise RpcCallError(f"/metrics: HTTP {e.code}") from None
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -99,22 +118,33 @@ def test_members_see_each_other_and_no_intruder(swarm):
         return len(keys) == 1 and eps[0]["epoch"] is not None and set(eps[0]["members"]) == expected
 
     poll(one_epoch_of_members, what="one epoch of the members only")
-    # The intruders are really running (and the keyless one reads the members' adverts).
-    assert all(n.alive for n in intruders(swarm))
+    # The intruders are really running and have announced themselves ONLINE ...
+    for intruder in intruders(swarm):
+        poll(lambda: rpc(intruder.rpc_url, "status")["state"] == "ONLINE", what=f"intruder {intruder.index} ONLINE")
     keyless = swarm.nodes[MEMBERS + 1]
     poll(lambda: expected <= online_ids(keyless), what="the keyless intruder reads the sealed adverts")
+    # ... and every member has re-read the DHT twice since: still no intruder, in any state.
+    marks = {n.index: rpc(n.rpc_url, "status")["view_refreshes"] for n in members(swarm)}
     for node in members(swarm):
-        assert not online_ids(node) & {n.peer_id for n in intruders(swarm)}
+        poll(lambda: rpc(node.rpc_url, "status")["view_refreshes"] >= marks[node.index] + 2, what="two view refreshes")
+    intruder_ids = {n.peer_id for n in intruders(swarm)}
+    for node in members(swarm):
+        assert not {p["peer_id"] for p in rpc(node.rpc_url, "swarm")["peers"]} & intruder_ids
+        assert not set(rpc(node.rpc_url, "schedule")["members"]) & intruder_ids
         status = rpc(node.rpc_url, "status")
         assert status["access_control"]["swarm_key"] is True
+        assert status["access_control"]["allowlist"] == MEMBERS + 2
 
 
 def test_gossip_of_the_keyless_intruder_is_dropped(swarm):
-    def dropped_somewhere():
-        return sum(scrape(n).get(("skippipe_gossip_dropped_total", (("reason", "not_allowed"),)), 0) for n in members(swarm))
-
-    poll(dropped_somewhere, what="a member drops gossip from the intruder")
     keyless = swarm.nodes[MEMBERS + 1]
+    gossip_id = rpc(keyless.rpc_url, "status")["gossip_peer_id"]
+
+    def dropped_from_intruder():
+        return any(gossip_id in rpc(n.rpc_url, "status")["access_control"]["gossip_dropped_from"] for n in members(swarm))
+
+    poll(dropped_from_intruder, what="a member drops gossip sent by the keyless intruder")
+    assert sum(scrape(n).get(("skippipe_gossip_dropped_total", (("reason", "not_allowed"),)), 0) for n in members(swarm))
     for node in members(swarm):
         view = rpc(node.rpc_url, "swarm")
         assert keyless.peer_id not in {p["peer_id"] for p in view["peers"]}
@@ -139,7 +169,12 @@ def test_metrics_endpoint_reports_peers_and_epoch(swarm):
 def test_wrong_or_missing_key_is_refused_with_one_error(swarm, keys, tmp_path):
     base = ["node", "run", "--initial-peers", swarm.bootstrap_maddr, "--run-id", RUN_ID, "--stages", "1",
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "id.key")]  # fmt: skip
-    for extra, needle in ((["--swarm-key", str(keys / "wrong.key")], "wrong swarm key"), ([], "needs a swarm key")):
+    cases = (
+        (["--swarm-key", str(keys / "wrong.key")], "wrong swarm key"),
+        ([], "needs a swarm key"),
+        (["--swarm-key", str(keys / "swarm.key")], "allowlist"),  # right key, identity not listed
+    )
+    for extra, needle in cases:
         proc = run_cli(*base, *extra)
         assert proc.returncode != 0
         errors = error_lines(proc)
