@@ -31,9 +31,14 @@ def fetch_status(rpc: str | None, peer: str | None, timeout: float) -> dict:
         from node.rpc import RpcCallError, call_http
 
         try:
-            return {m: call_http(rpc, m, timeout=timeout) for m in methods}
+            data = {m: call_http(rpc, m, timeout=timeout) for m in methods}
         except RpcCallError as e:
             raise UserError(str(e)) from None
+        try:  # only daemons running --train have it
+            data["training"] = call_http(rpc, "training", {"limit": 1}, timeout=timeout)
+        except Exception:  # noqa: BLE001
+            data["training"] = None
+        return data
     return _fetch_over_p2p(peer, methods, timeout)
 
 
@@ -58,7 +63,12 @@ def _fetch_over_p2p(maddr: str, methods, timeout: float) -> dict:
         except P2PDaemonError:
             raise UserError(f"cannot reach {maddr}") from None
         try:
-            return {m: await call_p2p(p2p, peer_id, m, timeout=timeout) for m in methods}
+            data = {m: await call_p2p(p2p, peer_id, m, timeout=timeout) for m in methods}
+            try:  # only daemons running --train have it
+                data["training"] = await call_p2p(p2p, peer_id, "training", {"limit": 1}, timeout=timeout)
+            except Exception:  # noqa: BLE001
+                data["training"] = None
+            return data
         except RpcCallError as e:
             raise UserError(str(e)) from None
         finally:
@@ -75,8 +85,17 @@ def format_status(data: dict) -> str:
         f"  run: {st.get('run')}  heartbeat {st.get('heartbeat_s')} s  uptime {st.get('uptime_s')} s",
         f"  schedule: epoch {sc.get('epoch')} ({sc.get('status')})"
         + (f" by {_short(sc.get('coordinator'))}" if sc.get("epoch") is not None else ""),
-        "",
     ]
+    tr = data.get("training")
+    if tr:
+        last = (tr.get("history") or [None])[-1]
+        lines.append(
+            f"  training: {tr.get('state')} on epoch {tr.get('epoch')}, stage {tr.get('stage')}, "
+            f"iteration {(tr.get('committed_iteration') if tr.get('committed_iteration') is not None else -1) + 1}"
+            f"/{tr.get('iterations')}"
+            + (f", loss {last['loss']:.4f}, {last['seconds']:.2f} s/it, {last['active_nodes']} nodes" if last else "")
+            + (f" — error: {tr['error']}" if tr.get("error") else ""))
+    lines.append("")
     me = st["peer_id"]
     links = {(l["src"], l["dst"]): l for l in sw.get("links", [])}
     header = f"{'PEER':<13} {'STAGES':<8} {'STATE':<9} {'AGE_S':>6} {'S/SAMPLE/LAYER':>15} {'RTT_MS':>8} {'BW_MB/S':>8}"

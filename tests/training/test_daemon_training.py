@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from node.checkpoint import CheckpointStore
+from node.commands.swarm_cmd import fetch_status, format_status
 from node.data import DataConfig
 from node.local_swarm import LocalSwarm
 from node.model import model_config
@@ -87,6 +88,8 @@ def test_node_run_train_full_path_matches_reference(tmp_path, splits):
         assert sorted(stages_of.values()) == [0, 0, 1, 2, 3]
         hist = call_http(swarm.nodes[0].rpc_url, "training", {})["history"]
         assert [h["iteration"] for h in hist] == list(range(ITERATIONS))
+        shown = format_status(fetch_status(swarm.nodes[0].rpc_url, None, 10))
+        assert f"training: done on epoch {sched['epoch']}, stage 0, iteration {ITERATIONS}/{ITERATIONS}" in shown
     finally:
         swarm.stop()
     assert not _processes_mentioning(str(tmp_path)), "processes of the swarm outlived it"
