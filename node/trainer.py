@@ -676,7 +676,8 @@ class TrainerService:
     def __init__(self, config: TrainerConfig, iterations: int, *, node_name: Optional[str] = None,
                  on_iteration: Optional[Callable[[IterationStats], None]] = None, poll_s: float = 0.5,
                  min_members: int = 1, start_debounce_s: Optional[float] = None,
-                 agreement_timeout_s: float = 600.0, threads: Optional[int] = None):
+                 agreement_timeout_s: float = 600.0, threads: Optional[int] = None, emulation=None):
+        self.emulation = emulation  # optional node.emulation_args.EmulationSettings (peer locations: daemon view)
         self.config, self.iterations = config, iterations
         self.node_name, self.on_iteration, self.poll_s = node_name, on_iteration, poll_s
         self.min_members, self.start_debounce_s = max(1, int(min_members)), start_debounce_s
@@ -788,7 +789,8 @@ class TrainerService:
                 if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
                     logger.warning("cannot connect to schedule member %s yet", peer[-8:])
             self.trainer = TrainerNode(p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=epoch,
-                                       config=self.config, node_name=self.node_name, on_iteration=self._on_iteration)
+                                       config=self.config, node_name=self.node_name, on_iteration=self._on_iteration,
+                                       emulation=self._emulation(daemon))
             await self.trainer.setup()
             self.start_iteration = self.trainer.current_iteration
             await self._confirm(epoch, training_summary(self.config, self.iterations), self.start_iteration)
@@ -810,6 +812,13 @@ class TrainerService:
             self.error, self.state = e, "error"
         finally:
             self.done.set()
+
+    def _emulation(self, daemon):
+        if self.emulation is None:
+            return None
+        from node.emulation_args import daemon_peer_locations
+
+        return self.emulation.build(daemon_peer_locations(daemon))
 
     async def _rpc_training(self, params: dict) -> dict:
         try:

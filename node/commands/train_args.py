@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from node.emulation_args import add_emulation_arguments, emulation_from_args
 from node.errors import UserError
 
 __all__ = ["add_training_arguments", "training_services_from_args", "DEFAULT_TRAIN_ITERATIONS"]
@@ -44,6 +45,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the schedule epoch must stay current before training pins it (default 3 heartbeats)")
     g.add_argument("--agreement-timeout", type=float, default=600.0,
                    help="seconds to wait for every member of the pinned epoch to confirm it")
+    add_emulation_arguments(p, location=False)  # node run has its own --location (advertised to peers)
 
 
 def training_services_from_args(args: argparse.Namespace) -> list:
@@ -89,4 +91,4 @@ def training_services_from_args(args: argparse.Namespace) -> list:
     )
     return [TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
                            start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,
-                           threads=args.threads)]
+                           threads=args.threads, emulation=emulation_from_args(args))]
