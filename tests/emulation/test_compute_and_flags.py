@@ -90,3 +90,19 @@ def test_daemon_view_locations():
     view = types.SimpleNamespace(get=lambda pid: types.SimpleNamespace(advert=advert) if pid == "p" else None)
     lookup = daemon_peer_locations(types.SimpleNamespace(view=view))
     assert lookup("p") == "B" and lookup("q") is None
+
+
+def test_node_run_accepts_the_flags_and_builds_a_trainer_service_with_them(tmp_path):
+    import json
+
+    from node.cli import build_parser
+    from node.commands.train_args import training_services_from_args
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"locations": ["A", "B"], "links": {"A-B": {"latency_ms": 10, "bandwidth_GiBps": 1}}}))
+    args = build_parser().parse_args(["node", "run", "--train", "--location", "B", "--network-profile", str(prof),
+                                      "--compute-s-per-sample-per-layer", "0.001"])
+    (service,) = training_services_from_args(args)
+    assert service.emulation.location == "B" and service.emulation.compute_s_per_sample_per_layer == 0.001
+    plain = build_parser().parse_args(["node", "run", "--train"])
+    assert training_services_from_args(plain)[0].emulation is None
