@@ -153,6 +153,8 @@ def test_gossip_of_the_keyless_intruder_is_dropped(swarm):
 
 def test_metrics_endpoint_reports_peers_and_epoch(swarm):
     node = members(swarm)[0]
+    assert rpc(node.rpc_url, "iterations")["iterations"] == []  # no trainer in this swarm (and one HTTP RPC)
+    assert rpc(node.rpc_url, "traffic")["peers"] == {}
 
     def ready():
         m = scrape(node)
@@ -163,7 +165,11 @@ def test_metrics_endpoint_reports_peers_and_epoch(swarm):
     assert m[("skippipe_peers", (("state", "OFFLINE"),))] == 0
     assert ("skippipe_iteration", ()) in m and ("skippipe_reroutes_total", ()) in m
     assert m[("skippipe_rpc_requests_total", (("outcome", "ok"), ("transport", "http")))] >= 1
-    assert rpc(node.rpc_url, "iterations")["iterations"] == []  # no trainer in this swarm
+    # The dashboard page is served too (rendering is tested in a browser by test_dashboard.py).
+    with urllib.request.urlopen(node.rpc_url + "/", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/html")
+        page = resp.read().decode()
+    assert 'id="paths"' in page and "setInterval(refresh" in page and "__POLL_MS__" not in page
 
 
 def test_wrong_or_missing_key_is_refused_with_one_error(swarm, keys, tmp_path):
