@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, List, Mapping, Optional, Sequence, Union
 
 from node.errors import UserError
 from node.link_emulation import Emulation
 
-__all__ = ["EmulationSettings", "add_emulation_arguments", "emulation_from_args", "daemon_peer_locations"]
+__all__ = ["EmulationSettings", "add_emulation_arguments", "emulation_from_args", "daemon_peer_locations",
+           "round_robin_location", "round_robin_emulation_for", "emulation_node_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,11 @@ def add_emulation_arguments(parser: argparse.ArgumentParser, *, location: bool =
                    help="pad each forward/backward/loss step to X x samples x layers x (1 / 1.5 / 0.25) seconds")
 
 
-def emulation_from_args(args: argparse.Namespace) -> Optional[EmulationSettings]:
-    """The settings of the flags, or None when nothing is emulated (the default)."""
+def emulation_from_args(args: argparse.Namespace, *, require_location: bool = True) -> Optional[EmulationSettings]:
+    """The settings of the flags, or None when nothing is emulated (the default).
+
+    ``require_location=False`` for commands that place many nodes themselves (``skippipe up``: round-robin).
+    """
     profile = getattr(args, "network_profile", None)
     compute = getattr(args, "compute_s_per_sample_per_layer", None)
     if profile is None and compute is None:
@@ -83,7 +87,7 @@ def emulation_from_args(args: argparse.Namespace) -> Optional[EmulationSettings]
     settings = EmulationSettings(network_profile=profile, location=getattr(args, "location", None),
                                  latency_scale=float(args.latency_scale), bandwidth_scale=float(args.bandwidth_scale),
                                  hop_overhead_s=float(args.hop_overhead_s), compute_s_per_sample_per_layer=compute)
-    if profile is not None and not settings.location:
+    if profile is not None and require_location and not settings.location:
         raise UserError("--network-profile needs --location (this node's location in the profile)")
     if settings.latency_scale < 0 or settings.bandwidth_scale <= 0 or settings.hop_overhead_s < 0:
         raise UserError("--latency-scale and --hop-overhead-s must be >= 0 and --bandwidth-scale > 0")
@@ -91,7 +95,7 @@ def emulation_from_args(args: argparse.Namespace) -> Optional[EmulationSettings]
         raise UserError("--compute-s-per-sample-per-layer must be >= 0")
     if profile is not None:
         prof = settings.load_profile()
-        if settings.location not in prof.locations:
+        if settings.location is not None and settings.location not in prof.locations:
             raise UserError(f"--location {settings.location!r} is not in {profile} "
                             f"(one of {', '.join(prof.locations)})")
     return settings
@@ -104,3 +108,32 @@ def daemon_peer_locations(daemon) -> Callable[[str], Optional[str]]:
         entry = view.get(peer_id) if view is not None else None
         return getattr(getattr(entry, "advert", None), "location", None)
     return location_of
+
+
+def round_robin_location(settings: EmulationSettings, index: int) -> Optional[str]:
+    """Location of node ``index`` of a local swarm: the profile's locations round-robin (the scheduler's
+    placement, :func:`scheduler.cost.nodes_round_robin`); None without a profile."""
+    profile = settings.load_profile()
+    return profile.locations[index % len(profile.locations)] if profile is not None else None
+
+
+def round_robin_emulation_for(settings: EmulationSettings) -> Callable[[int, Sequence[str]], Emulation]:
+    """``emulation_for`` for the in-process harness (``LocalSwarm``): node i at round-robin location i."""
+    def emulation_for(index: int, members: Sequence[str]) -> Emulation:
+        where = {m: round_robin_location(settings, j) for j, m in enumerate(members)}
+        return settings.build(where, location=round_robin_location(settings, index))
+    return emulation_for
+
+
+def emulation_node_args(settings: Optional[EmulationSettings], index: int) -> List[str]:
+    """``skippipe node run`` flags that give daemon ``index`` of a local swarm the same emulation."""
+    if settings is None:
+        return []
+    out: List[str] = []
+    if settings.network_profile is not None:
+        out += ["--network-profile", settings.network_profile, "--location", str(round_robin_location(settings, index)),
+                "--latency-scale", repr(settings.latency_scale), "--bandwidth-scale", repr(settings.bandwidth_scale),
+                "--hop-overhead-s", repr(settings.hop_overhead_s)]
+    if settings.compute_s_per_sample_per_layer is not None:
+        out += ["--compute-s-per-sample-per-layer", repr(settings.compute_s_per_sample_per_layer)]
+    return out

@@ -27,6 +27,8 @@ import types
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
+from node.emulation_args import (add_emulation_arguments, emulation_from_args, emulation_node_args,
+                                  round_robin_emulation_for)
 from node.errors import UserError
 
 __all__ = ["register", "build_schedule", "scheduler_schedule", "LocalSwarm", "UpOptions", "run_up", "run_up_swarm"]
@@ -263,6 +265,7 @@ class UpOptions:
     heartbeat_s: float = 2.0  # daemons' heartbeat (daemon mode)
     start_timeout_s: float = 480.0  # daemon mode: until the first iteration is committed
     stall_timeout_s: float = 240.0  # daemon mode: longest wait for the next iteration
+    emulation: Optional[object] = None  # node.emulation_args.EmulationSettings; None = no WAN/compute emulation
 
 
 def _parse_replicas(text: str, n_stages: int) -> List[int]:
@@ -362,7 +365,8 @@ async def run_up(opts: UpOptions) -> dict:
               file=sys.stderr)
     progress = _Progress(opts.iterations, quiet=opts.quiet)
     t_start = time.perf_counter()
-    async with LocalSwarm(schedule, config, splits, on_iteration=progress) as swarm:
+    emulation_for = round_robin_emulation_for(opts.emulation) if opts.emulation is not None else None
+    async with LocalSwarm(schedule, config, splits, on_iteration=progress, emulation_for=emulation_for) as swarm:
         t_ready = time.perf_counter()
         first = swarm.start_iteration
         if first >= opts.iterations:
@@ -425,7 +429,7 @@ def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[in
              "--microbatch-size", str(opts.microbatch_size), "--microbatches", str(opts.microbatches),
              "--memory-slots", str(opts.memory), "--threads", "1", "--iteration-timeout", "180",
              "--agreement-timeout", str(int(opts.start_timeout_s)), "--log-level", "INFO"]
-        return a + (["--resume"] if opts.resume else [])
+        return a + (["--resume"] if opts.resume else []) + emulation_node_args(opts.emulation, i)
     return args
 
 
@@ -595,7 +599,7 @@ def _handler(args: argparse.Namespace) -> int:
                      microbatches=args.microbatches, microbatch_size=args.microbatch_size, memory=args.memory,
                      lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
                      reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet,
-                     in_process=args.in_process)
+                     in_process=args.in_process, emulation=emulation_from_args(args, require_location=False))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not opts.in_process:
         def on_term(signum, frame):
@@ -646,4 +650,5 @@ def register(subparsers) -> None:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--in-process", action="store_true",
                    help="run every node in this process (the test/benchmark harness) instead of one daemon per node")
+    add_emulation_arguments(p, location=False)  # nodes get the profile's locations round-robin
     p.set_defaults(func=_handler)

@@ -106,3 +106,24 @@ def test_node_run_accepts_the_flags_and_builds_a_trainer_service_with_them(tmp_p
     assert service.emulation.location == "B" and service.emulation.compute_s_per_sample_per_layer == 0.001
     plain = build_parser().parse_args(["node", "run", "--train"])
     assert training_services_from_args(plain)[0].emulation is None
+
+
+def test_up_places_nodes_round_robin_and_passes_the_flags_to_daemons(tmp_path):
+    import json
+
+    from node.cli import build_parser
+    from node.emulation_args import emulation_node_args, round_robin_emulation_for
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"locations": ["A", "B"], "links": {"A-B": {"latency_ms": 10, "bandwidth_GiBps": 1}},
+                                "same_location": {"latency_ms": 0, "bandwidth_GiBps": 1}}))
+    args = build_parser().parse_args(["up", "--in-process", "--network-profile", str(prof)])
+    settings = emulation_from_args(args, require_location=False)
+    emu = round_robin_emulation_for(settings)(1, ["p0", "p1", "p2"])  # node 1 at B; p0, p2 at A
+    assert emu.link_emulator._link_for("p0").latency_s == pytest.approx(0.010)
+    assert emu.link_emulator._link_for("p2").latency_s == pytest.approx(0.010)
+    assert emu.link_emulator._link_for("p1").latency_s == 0.0
+    argv = emulation_node_args(settings, 3)
+    assert argv[argv.index("--location") + 1] == "B"
+    assert emulation_node_args(None, 0) == []
+    assert emulation_from_args(build_parser().parse_args(["up"]), require_location=False) is None
