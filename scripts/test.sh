@@ -3,6 +3,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
+# Headless Chromium for tests/node/test_dashboard.py (it skips, saying why, without one). Only as root with apt.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "[test setup] chromium (headless dashboard test)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null 2>&1 \
+                 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } \
+            || echo "[test setup] chromium could not be installed: the dashboard test will be skipped"
+    else
+        echo "[test setup] no chromium and no root/apt-get: the dashboard test will be skipped"
+    fi
+fi
 .venv/bin/python -m pytest -q -ra "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then   # pytest: no tests collected -- not a failure of the code under test
