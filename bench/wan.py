@@ -96,7 +96,7 @@ def build_setting(args) -> dict:
     from scheduler.allocation import allocate
     from scheduler.baselines import full_pipeline, random_skip
     from scheduler.cost import CostParams, LinkProfile, ModelShape, activation_bytes, build_cost, nodes_round_robin
-    from scheduler.paths import schedule_paths
+    from scheduler.paths import schedule_paths_report
     from scheduler.simulator import simulate
 
     mcfg = model_config("tiny")
@@ -114,18 +114,23 @@ def build_setting(args) -> dict:
     nodes = nodes_round_robin(emu_profile, args.nodes, args.memory)
     cost = build_cost(nodes, emu_profile, tiny, CostParams(hop_overhead_s=hop))
     stage_sizes = [int(x) for x in args.stage_sizes.split(",")]
-    stages = allocate(cost, stage_sizes, seed=args.seed, budget_s=args.budget_s / 4).stages
+    alloc = allocate(cost, stage_sizes, seed=args.seed, budget_s=args.alloc_budget_s)
+    stages = alloc.stages
+    skippipe, report = schedule_paths_report(stages, cost, args.path_length, args.microbatches, args.memory,
+                                             seed=args.seed, budget_s=args.budget_s)
+    if alloc.budget_hit or report.budget_hit:
+        logger.warning("a scheduler budget cut a search short: the schedules depend on machine speed")
     schedules = {
         "full pipeline": full_pipeline(stages, cost, args.microbatches, args.memory),
         "random skip": random_skip(stages, cost, args.path_length, args.microbatches, args.memory, seed=args.seed),
-        "SkipPipe": schedule_paths(stages, cost, args.path_length, args.microbatches, args.memory, seed=args.seed,
-                                   budget_s=args.budget_s),
+        "SkipPipe": skippipe,
     }
     predicted = {k: simulate(s, cost).iteration_time_s for k, s in schedules.items()}
     return {"model": mcfg, "profile": profile, "emu_profile": emu_profile, "locations": [n.location for n in nodes],
             "cost": cost, "stages": [list(s) for s in stages], "schedules": schedules, "predicted": predicted,
             "compute_s_per_sample_per_layer": compute, "latency_scale": ts, "bandwidth_scale": bandwidth_scale,
-            "hop_overhead_s": hop, "activation_bytes": activation_bytes(tiny)}
+            "hop_overhead_s": hop, "activation_bytes": activation_bytes(tiny),
+            "deterministic": not (alloc.budget_hit or report.budget_hit)}
 
 
 async def run_live(args, setting: dict) -> Dict[str, dict]:
@@ -219,7 +224,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="iterations per schedule not measured")
     p.add_argument("--iterations", type=int, default=2, help="measured iterations per schedule")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=2.0, help="path scheduler budget (allocation: a quarter)")
+    # generous caps: the searches stop at their iteration bounds first, so the schedules are a function of
+    # the seed only (docs/scheduler.md, Determinism); a cap that hits is reported
+    p.add_argument("--alloc-budget-s", type=float, default=60.0, help="allocation search cap (seconds)")
+    p.add_argument("--budget-s", type=float, default=60.0, help="path scheduler cap (seconds)")
     p.add_argument("--deadlock-grace-s", type=float, default=30.0)
     p.add_argument("--iteration-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default=str(_ROOT / "bench" / "results"))
@@ -238,7 +246,7 @@ def main(argv=None) -> int:
           f"{1 / args.time_scale:.0f}x faster): compute {setting['compute_s_per_sample_per_layer']:.4f} s/sample/layer, "
           f"latency x{setting['latency_scale']:g}, bandwidth x{setting['bandwidth_scale']:.4f}, "
           f"hop overhead {setting['hop_overhead_s']:.4f} s, activation {setting['activation_bytes']} B")
-    print(f"  allocation: {setting['stages']}")
+    print(f"  allocation: {setting['stages']} (deterministic searches: {setting['deterministic']})")
     print("  swarm: in-process harness (real hivemind P2P + DHT per node, one Python process), not daemons",
           flush=True)
     live = asyncio.run(run_live(args, setting))
@@ -265,6 +273,7 @@ def main(argv=None) -> int:
         "bandwidth_scale": setting["bandwidth_scale"], "latency_scale": setting["latency_scale"],
         "hop_overhead_s": setting["hop_overhead_s"], "activation_bytes": setting["activation_bytes"],
         "locations": setting["locations"], "stages": setting["stages"], "startup_s": startup,
+        "deterministic_schedules": setting["deterministic"],
         "schedules": {k: s.to_json() for k, s in setting["schedules"].items()}, "results": rows,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
