@@ -16,8 +16,20 @@ __all__ = ["poll", "rpc", "run_cli", "error_lines", "DEADLINE_S"]
 DEADLINE_S = 90.0
 
 
+#: A daemon started with a low ``--rpc-rate`` answers our own bursts of polling with HTTP 429; a
+#: well-behaved client waits for the bucket to refill and asks again (bounded).
+RATE_LIMITED_RETRIES = 10
+RATE_LIMITED_WAIT_S = 1.0
+
+
 def rpc(url: str, method: str, timeout: float = 10.0):
-    return call_http(url, method, timeout=timeout)
+    for attempt in range(RATE_LIMITED_RETRIES + 1):
+        try:
+            return call_http(url, method, timeout=timeout)
+        except RpcCallError as e:  # the daemon answers 429 with {"error": "rate limited: ..."}
+            if not str(e).startswith("rate limited") or attempt == RATE_LIMITED_RETRIES:
+                raise
+            time.sleep(RATE_LIMITED_WAIT_S)
 
 
 def poll(check: Callable[[], object], deadline_s: float = DEADLINE_S, interval_s: float = 0.5, what: str = "condition"):
