@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import msgpack
 
@@ -240,19 +240,25 @@ class AdvertStore:
                     by_peer[item.advert.peer_id] = item
         return by_peer
 
-    def _parse_adverts(self, found, stage: int) -> list[FetchedAdvert]:
+    def _owned_records(self, found, cls: type) -> Iterator[tuple[object, bytes, object]]:
+        """(decoded message, owner public key, DHT item) for every subkey of ``found`` that opens
+        (signature, swarm-key proof) and decodes as ``cls``; anything else is skipped."""
         if found is None or not isinstance(found.value, dict):
-            return []
-        out = []
+            return
         for subkey, item in found.value.items():
             owner = owner_public_key(subkey)
             message = self._open(item.value, owner) if owner is not None else None
             if message is None:
                 continue
             try:
-                advert = decode(message, expect=StageAdvert)
+                decoded = decode(message, expect=cls)
             except ProtocolError:
                 continue
+            yield decoded, owner, item
+
+    def _parse_adverts(self, found, stage: int) -> list[FetchedAdvert]:
+        out = []
+        for advert, owner, item in self._owned_records(found, StageAdvert):
             if advert.run_id != self.run_id or stage not in advert.stages:
                 continue
             try:
@@ -284,18 +290,5 @@ class AdvertStore:
         except Exception as e:  # noqa: BLE001
             logger.debug("epoch fetch failed: %r", e)
             return []
-        if found is None or not isinstance(found.value, dict):
-            return []
-        out = []
-        for subkey, item in found.value.items():
-            owner = owner_public_key(subkey)
-            message = self._open(item.value, owner) if owner is not None else None
-            if message is None:
-                continue
-            try:
-                epoch = decode(message, expect=ScheduleEpoch)
-            except ProtocolError:
-                continue
-            if epoch.run_id == self.run_id:
-                out.append((epoch, owner))
-        return out
+        return [(epoch, owner) for epoch, owner, _ in self._owned_records(found, ScheduleEpoch)
+                if epoch.run_id == self.run_id]
