@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 from node.data import DataConfig, TokenSplits, load_splits, validation_batches  # noqa: E402
 from node.model import model_config  # noqa: E402
+from node.plotting import load_pyplot  # noqa: E402
 from node.path_training import PathTrainer, full_pipeline_schedule  # noqa: E402
 from node.reference import evaluate_loss  # noqa: E402
 from node.stage_runtime import OptimConfig  # noqa: E402
@@ -152,13 +153,8 @@ def _as_path_length(schedule) -> int:
 
 
 def _plot(runs: Sequence[RunResult], path: pathlib.Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed; no plot")
+    plt = load_pyplot("plot")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in runs:

@@ -60,6 +60,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import node.compat  # noqa: E402,F401  (before hivemind)
+from node.plotting import load_pyplot  # noqa: E402
 
 __all__ = ["main", "scaled_profile", "build_setting"]
 
@@ -183,13 +184,8 @@ async def run_live(args, setting: dict) -> Dict[str, dict]:
 
 
 def plot(path: pathlib.Path, names: List[str], measured: List[float], predicted: List[float], title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib not installed; no chart")
+    plt = load_pyplot("chart")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(names))

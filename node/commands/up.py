@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from node.emulation_args import (add_emulation_arguments, emulation_from_args, emulation_node_args,
                                   round_robin_emulation_for)
 from node.errors import UserError
+from node.plotting import load_pyplot
 
 __all__ = ["register", "build_schedule", "scheduler_schedule", "LocalSwarm", "UpOptions", "run_up", "run_up_swarm"]
 
@@ -305,13 +306,8 @@ class _Progress:
 
 
 def _plot(history: List[dict], path: pathlib.Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib not installed; no loss curve")
+    plt = load_pyplot("loss curve")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([h["iteration"] + 1 for h in history], [h["loss"] for h in history], label="train (swarm)")
