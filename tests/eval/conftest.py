@@ -1,22 +1,9 @@
 """Shared fixtures: one tokenised corpus per session and one small trained checkpoint."""
 
-import os
-
 import pytest
 
 #: Iterations of the session checkpoint: enough for omission to change the loss visibly.
 CHECKPOINT_ITERATIONS = 15
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _cache_dir(tmp_path_factory):
-    old = os.environ.get("SKIPPIPE_CACHE")
-    os.environ["SKIPPIPE_CACHE"] = str(tmp_path_factory.mktemp("skippipe-cache"))
-    yield
-    if old is None:
-        os.environ.pop("SKIPPIPE_CACHE", None)
-    else:
-        os.environ["SKIPPIPE_CACHE"] = old
 
 
 @pytest.fixture(scope="session")
