@@ -13,7 +13,8 @@ main thread (``run_in_background`` calls ``signal.signal``) and it sets SIGINT t
 process, so the previous handler is restored; its blocking calls run in an executor. A peer killed
 mid-all-reduce can leave the survivors with slightly different values: :meth:`average` reports
 such rounds as failed when hivemind notices, and :func:`node.stage_runtime.StageRuntime.checksum`
-is the hook for the re-sync of issue #6.
+is compared across replicas every iteration, and a diverged replica copies the canonical one's
+state (:meth:`node.trainer.TrainerNode._resync`).
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class StageAverager:
             start=False,
             prefix=prefix,
             target_group_size=group_size,
-            min_group_size=group_size,
+            # a dead replica must not block the others: after min_matchmaking_time the live ones
+            # (at least two) average without it; a full group still starts at once
+            min_group_size=min(2, group_size),
             min_matchmaking_time=cfg.min_matchmaking_time_s,
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.allreduce_timeout_s,

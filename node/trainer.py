@@ -45,6 +45,7 @@ import torch
 from node.averaging import AveragingConfig, StageAverager, averager_prefix
 from node.checkpoint import CheckpointStore
 from node.data import DataConfig, DataShard, TokenSplits, load_splits
+from node.deadlines import DeadlineConfig
 from node.errors import UserError
 from node.model import MODEL_SIZES, ModelConfig, build_stage
 from node.stage_runtime import OptimConfig, StageRuntime, clip_coefficient
@@ -55,6 +56,8 @@ __all__ = [
     "SchedulePlan",
     "TrainerNode",
     "TrainingStalled",
+    "NodeKilled",
+    "LeftSchedule",
     "TrainerService",
     "TrainingDisagreement",
     "training_summary",
@@ -68,7 +71,7 @@ EpochSource = Union["ScheduleEpoch", Callable[[], "ScheduleEpoch"]]  # noqa: F82
 
 
 class TrainingStalled(RuntimeError):
-    """An iteration could not complete in time (a peer is gone; recovery is issue #6)."""
+    """An iteration could not complete in time even with recovery (e.g. a member hangs without dying)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,23 @@ class TrainerConfig:
     norm_exchange_timeout_s: float = 120.0
     norm_poll_s: float = 0.02
     norm_record_ttl_s: float = 300.0
+    #: per-hop budgets from the cost model (node.deadlines); the data node fails a microbatch past them
+    deadlines: DeadlineConfig = DeadlineConfig()
+    #: a microbatch whose forward failed is recomputed on a fresh path at most this often, then dropped
+    max_retries: int = 1
+    #: stages a path may lose to recovery beyond the schedule's own skips (the paper's omission
+    #: results: a skip-trained model tolerates missing stages; 1 keeps paths within one of k)
+    max_extra_skips: int = 1
+    #: first back-off of a suspected peer (doubles per repeat up to ban_max_s); long enough to outlast
+    #: the advert TTL, so a dead peer is out of the view before the ban ends
+    ban_s: float = 30.0
+    ban_max_s: float = 300.0
+    liveness_poll_s: float = 0.25  # how often deadlines and membership are re-checked in an iteration
+    pause_poll_s: float = 1.0  # how often a paused node re-checks for the missing stage
+    state_fetch_timeout_s: float = 180.0  # joiners and re-syncs wait this long for a replica's state
+    #: relative checksum difference above which a replica counts as diverged (fp32 sums of equal
+    #: tensors are bit-identical, so anything above rounding noise is a real divergence)
+    resync_tolerance: float = 1e-9
 
 
 @dataclass
@@ -110,6 +130,9 @@ class IterationStats:
     averaging_s: float = 0.0
     norm_exchange_s: float = 0.0
     step_s: float = 0.0
+    dropped: int = 0  # microbatches given up this iteration (all data nodes)
+    retried: int = 0  # recomputations on a fresh path (this data node)
+    resynced: bool = False  # this replica copied its state from the canonical replica instead of stepping
 
 
 class SchedulePlan:
@@ -156,7 +179,26 @@ def norm_key(run_id: str, iteration: int) -> str:
     return f"{run_id}:gradnorm:{iteration}"
 
 
-MbKey = Tuple[str, int, int, int]  # (data node peer id, epoch, iteration, index)
+MbKey = Tuple[str, int, int, int, int]  # (data node peer id, epoch, iteration, index, attempt)
+
+
+class NodeKilled(RuntimeError):
+    """This trainer was killed by fault injection (in-process harness stand-in for a dead machine)."""
+
+
+class LeftSchedule(RuntimeError):
+    """The epoch that starts now no longer includes this node (it drained or was dropped)."""
+
+
+@dataclass
+class _Pending:
+    """A data node's own microbatch in flight: which attempt, on which route, until when."""
+
+    index: int
+    attempt: int
+    route: Tuple[str, ...]
+    deadline: float
+    loss_done: bool = False
 
 
 @dataclass
@@ -168,6 +210,8 @@ class _IterationState:
     losses: List[float] = field(default_factory=list)
     visits: Dict[str, int] = field(default_factory=collections.Counter)
     tokens: int = 0
+    dropped: int = 0
+    retried: int = 0
 
 
 class TrainerNode:
@@ -175,7 +219,15 @@ class TrainerNode:
 
     def __init__(self, *, p2p, dht, peer_id: str, epoch: EpochSource, config: TrainerConfig,
                  splits: Optional[TokenSplits] = None, node_name: Optional[str] = None,
-                 on_iteration: Optional[Callable[[IterationStats], None]] = None, emulation=None):
+                 on_iteration: Optional[Callable[[IterationStats], None]] = None, emulation=None,
+                 alive: Optional[Callable[[str], bool]] = None, faults=None,
+                 on_kill: Optional[Callable[[], None]] = None, link_estimate=None,
+                 allow: Optional[Callable[[str], bool]] = None, metrics=None, join_at: Optional[int] = None):
+        """``alive(peer)``: membership oracle (the daemon's view: advert not expired, not OFFLINE); None =
+        every member counts as alive until a send to it fails. ``faults``: optional
+        :class:`node.faults.FaultInjector`. ``on_kill``: what an injected kill does (default: crash this
+        trainer). ``link_estimate(a, b) -> (latency_s, bandwidth_Bps) | None`` feeds the deadlines.
+        ``join_at``: join a run in progress at this iteration, downloading the stage's state first."""
         self.p2p, self.dht, self.peer_id = p2p, dht, str(peer_id)
         self.emulation = emulation  # optional node.link_emulation.Emulation (WAN/compute emulation); None = off
         self._epoch_source = epoch
@@ -183,30 +235,78 @@ class TrainerNode:
         self._splits = splits
         self.node_name = node_name or self.peer_id
         self.on_iteration = on_iteration
+        self._alive = alive
+        self.faults = faults
+        self._on_kill = on_kill
+        self._link_estimate = link_estimate
+        self._allow = allow
+        self.metrics = metrics
+        self.join_at = join_at
         self.runtime: Optional[StageRuntime] = None
         self.averager: Optional[StageAverager] = None
         self.dataplane = None
+        self.state_server = None
+        self.deadlines = None
         self.shard: Optional[DataShard] = None
         self.checkpoints: Optional[CheckpointStore] = None
         self.history: List[IterationStats] = []
         self.committed_iteration = -1
         self.current_iteration = -1
+        self._state_iteration = -1  # iteration the runtime's weights belong to (set on the compute thread)
         self._last_saved = -1
         self._iters: Dict[int, _IterationState] = {}
         self._early: Dict[int, List[object]] = collections.defaultdict(list)
         self._grads: Deque[object] = collections.deque()
         self._returns: Deque[object] = collections.deque()
         self._forwards: Deque[object] = collections.deque()
-        self._starts: Deque[int] = collections.deque()
+        self._starts: Deque[Tuple[int, int, Tuple[str, ...]]] = collections.deque()
         self._targets: Dict[MbKey, torch.Tensor] = {}
+        self._pending: Dict[int, _Pending] = {}  # data node: microbatch index -> its live attempt
         self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = False  # the current iteration accepts microbatch work
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="skippipe-compute")
         self._worker_task: Optional[asyncio.Task] = None
+        self._monitor_task: Optional[asyncio.Task] = None
         self._send_tasks: set = set()
-        self._failures: List[BaseException] = []
+        self._suspects: Dict[str, Tuple[float, float]] = {}  # peer -> (banned until, current back-off)
         self.overcommits = 0  # forwards admitted beyond the memory slots to break a cyclic wait
+        self.reroutes = 0
+        self.skips = 0
+        self.resyncs = 0
+        self.paused_reason: Optional[str] = None
+        self.draining = False  # leave at the next epoch that excludes this node (SIGTERM)
         self._stop_requested = False
         self._closed = False
+        self._shut = False
+        self.killed = False
+        self.left: Optional[str] = None
+
+    # ------------------------------------------------------------------ liveness
+    def is_alive(self, peer: str) -> bool:
+        if peer == self.peer_id:
+            return not self.killed
+        return self._alive(peer) if self._alive is not None else True
+
+    def suspected(self, peer: str) -> bool:
+        entry = self._suspects.get(peer)
+        return entry is not None and entry[0] > time.monotonic()
+
+    def usable(self, peer: str) -> bool:
+        return peer == self.peer_id or (self.is_alive(peer) and not self.suspected(peer))
+
+    def suspect(self, peer: str, why: str) -> None:
+        """Ban ``peer`` from new routes for a back-off that doubles on each repeat (capped)."""
+        if peer == self.peer_id:
+            return
+        _, backoff = self._suspects.get(peer, (0.0, self.cfg.ban_s / 2))
+        backoff = min(self.cfg.ban_max_s, backoff * 2)
+        self._suspects[peer] = (time.monotonic() + backoff, backoff)
+        logger.warning("%s: suspecting %s for %.0fs: %s", self.node_name, peer[-8:], backoff, why)
+        if self.metrics is not None and hasattr(self.metrics, "count_failure"):
+            with contextlib.suppress(Exception):
+                self.metrics.count_failure("suspect")
 
     # ------------------------------------------------------------------ epoch / setup
     def _current_epoch(self):
@@ -223,6 +323,34 @@ class TrainerNode:
             raise UserError(f"node index {self.index} holds no stage in schedule epoch {epoch.epoch}")
         self.data_node_peers = [self.members[n] for n in self.plan.data_nodes]
         self.memory_slots = max(1, self.cfg.memory_slots or self.plan.memory)
+        if self.runtime is not None:
+            self._build_deadlines()
+
+    def _build_deadlines(self) -> None:
+        from node.deadlines import HopDeadlines
+
+        m = self.cfg.model
+        act_bytes = 4 * self.cfg.data.microbatch_size * self.cfg.data.seq_len * m.d_model
+        self.deadlines = HopDeadlines(self.epoch.schedule, self.members, [self._forward_s] * len(self.members),
+                                      act_bytes, self._link_estimate, self.cfg.deadlines)
+
+    def _measure_forward_s(self) -> float:
+        """Seconds of one microbatch forward through this stage (padded when compute is emulated)."""
+        padder = getattr(self.emulation, "padder", None)
+        if padder is not None:
+            return padder.target_s("forward", self.cfg.data.microbatch_size, self.runtime.n_layers)
+        m, d = self.cfg.model, self.cfg.data
+        x = torch.randn(d.microbatch_size, d.seq_len, m.d_model)
+        times = []
+        with torch.no_grad():
+            for _ in range(3):
+                t0 = time.perf_counter()
+                if self.stage == 0:
+                    self.runtime.module.head_loss(x, torch.zeros(d.microbatch_size, d.seq_len, dtype=torch.long))
+                else:
+                    self.runtime.module(x)
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[1]
 
     @property
     def stage(self) -> int:
@@ -233,41 +361,125 @@ class TrainerNode:
         return self.stage == 0
 
     async def setup(self) -> None:
-        """Build the stage, restore a checkpoint, start averager and data plane.
+        """Build the stage, restore a checkpoint (or a live replica's state), start averager and data plane.
 
         Must run on the main thread's event loop (the averager forks and installs signal handlers).
         """
         from node.dataplane import DataPlane
+        from node.state_transfer import StateServer
 
         self._bind_epoch(self._current_epoch())
         module = build_stage(self.cfg.model, self.stage, self.cfg.seed)
         self.runtime = StageRuntime(module, self.cfg.optim, self.cfg.device,
                                     padder=getattr(self.emulation, "padder", None))
+        self._forward_s = await self._compute(self._measure_forward_s)
+        self._build_deadlines()
+        ckpt = None
         if self.cfg.checkpoint_dir:
             self.checkpoints = CheckpointStore(self.cfg.checkpoint_dir, self.cfg.run_id, self.stage, self.node_name)
             if self.cfg.resume:
                 ckpt = self.checkpoints.load()
                 if ckpt is not None:
                     self.runtime.load_state_dict(ckpt.state)
-                    self.committed_iteration = self._last_saved = ckpt.iteration
+                    self.committed_iteration = self._last_saved = self._state_iteration = ckpt.iteration
                     logger.info("%s resumed stage %d at iteration %d", self.node_name, self.stage, ckpt.iteration)
         self.current_iteration = self.committed_iteration + 1
+        self.state_server = StateServer(self.p2p, self.cfg.run_id, self._snapshot, allow=self._allow)
+        await self.state_server.start()
+        if self.join_at is not None and self.join_at > 0:
+            await self._join_state(self.join_at, have_checkpoint=ckpt is not None)
+        self._make_shard()
+        await self._build_averager()
+        kwargs = {}
+        if self._allow is not None:
+            kwargs["allow"] = self._allow
+        if self.metrics is not None:
+            kwargs["metrics"] = self.metrics
+        guard = self._make_guard()
+        if guard is not None:
+            kwargs["guard"] = guard
+        self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self._on_message,
+                                   emulator=getattr(self.emulation, "link_emulator", None), **kwargs)
+        await self.dataplane.start()
+        self._worker_task = asyncio.create_task(self._worker(), name=f"trainer-worker-{self.node_name}")
+
+    def _make_guard(self):
+        """Reject malformed, non-finite, replayed or out-of-epoch frames before they reach the worker."""
+        try:
+            from node.dataplane_guard import MicrobatchGuard
+        except ImportError:
+            return None
+        d, m = self.cfg.data, self.cfg.model
+
+        def position():
+            return frozenset({self.epoch.epoch}), self.current_iteration
+
+        try:
+            return MicrobatchGuard(run_id=self.cfg.run_id, hidden_shape=(d.microbatch_size, d.seq_len, m.d_model),
+                                   position=position, self_id=self.peer_id)
+        except TypeError:
+            logger.debug("MicrobatchGuard has another signature; data plane runs unguarded")
+            return None
+
+    def _make_shard(self) -> None:
         if self.is_data_node:
             splits = self._splits if self._splits is not None else load_splits(self.cfg.data)
+            self._splits = splits
             if splits.vocab_size > self.cfg.model.vocab_size:
                 raise UserError(f"tokenizer vocab {splits.vocab_size} exceeds model vocab {self.cfg.model.vocab_size}")
             self.shard = DataShard(splits, self.cfg.data, self.plan.data_nodes.index(self.index),
                                    len(self.plan.data_nodes))
-        await self._build_averager()
-        self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self._on_message,
-                                   emulator=getattr(self.emulation, "link_emulator", None))
-        await self.dataplane.start()
-        self._worker_task = asyncio.create_task(self._worker(), name=f"trainer-worker-{self.node_name}")
+
+    async def _join_state(self, start: int, have_checkpoint: bool) -> None:
+        """Mid-run join: take the stage's weights and optimizer state from a live replica (committed
+        iteration ``start - 1``), else from our own checkpoint; never silently from scratch."""
+        from node.state_transfer import StateTransferError, fetch_state
+
+        peers = [self.members[n] for n in self.plan.replicas(self.stage)
+                 if self.members[n] != self.peer_id and self.is_alive(self.members[n])]
+        try:
+            peer, snap = await fetch_state(self.p2p, self.cfg.run_id, peers, self.stage, start - 1,
+                                           timeout_s=self.cfg.state_fetch_timeout_s)
+        except StateTransferError as e:
+            if not have_checkpoint:
+                raise TrainingStalled(f"{self.node_name}: cannot join stage {self.stage} at iteration {start}: {e}; "
+                                      "no checkpoint either (--checkpoint-dir DIR --resume)") from None
+            logger.warning("%s: %s; continuing from the checkpoint of iteration %d", self.node_name, e,
+                           self.committed_iteration)
+            self.committed_iteration = self._state_iteration = start - 1
+            self.current_iteration = start
+            return
+        state = await self._compute(snap.state_dict)
+        await self._compute(lambda: self.runtime.load_state_dict(state))
+        self.committed_iteration = self._state_iteration = snap.iteration
+        self.current_iteration = snap.iteration + 1
+        logger.info("%s joined stage %d with the state of iteration %d from %s", self.node_name, self.stage,
+                    snap.iteration, peer[-8:])
+
+    async def _snapshot(self, stage: int, min_iteration: int):
+        """State server callback: this stage's state once iteration ``min_iteration`` is committed."""
+        import io
+
+        from node.state_transfer import StateSnapshot
+
+        if self.runtime is None or stage != self.stage:
+            raise ValueError(f"stage {stage} is not held here")
+        while self._state_iteration < min_iteration:
+            if self._closed:
+                raise ValueError("trainer is shutting down")
+            await asyncio.sleep(0.05)
+
+        def snap():
+            buf = io.BytesIO()
+            torch.save(self.runtime.state_dict(), buf)
+            return StateSnapshot(self.stage, self._state_iteration, self.runtime.checksum(), buf.getvalue())
+
+        return await self._compute(snap)
 
     async def _build_averager(self) -> None:
         if self.averager is not None:
-            self.averager.shutdown()
-            self.averager = None
+            averager, self.averager = self.averager, None
+            await asyncio.get_running_loop().run_in_executor(None, averager.shutdown)
         group = self.plan.replicas(self.stage)
         if len(group) > 1:
             assert self.runtime is not None
@@ -277,21 +489,56 @@ class TrainerNode:
             await self.averager.start()
 
     async def _maybe_switch_epoch(self) -> None:
-        """Apply a new schedule epoch at an iteration boundary (same stage only)."""
+        """Apply the newest schedule epoch once its start iteration is reached (same stage only)."""
         epoch = self._current_epoch()
-        if epoch.epoch == self.epoch.epoch:
+        if epoch is None or epoch.epoch == self.epoch.epoch:
             return
+        if int(getattr(epoch, "start_iteration", 0)) > self.current_iteration:
+            return  # announced for a later boundary: every member switches there, not earlier
+        if self.peer_id not in epoch.members:
+            raise LeftSchedule(f"schedule epoch {epoch.epoch} (from iteration {self.current_iteration}) "
+                               "does not include this node")
         old_stage = self.stage
+        old = self.epoch
         self._bind_epoch(epoch)
         if self.stage != old_stage:
-            raise UserError(f"epoch {epoch.epoch} moves this node from stage {old_stage} to {self.stage}; "
+            self._bind_epoch(old)
+            raise UserError(f"epoch {epoch.epoch} moves this node from stage {old_stage} to "
+                            f"{SchedulePlan(epoch.schedule).stage_of.get(epoch.members.index(self.peer_id))}; "
                             "changing stage needs a state transfer (not supported yet)")
-        if self.is_data_node:
-            assert self.shard is not None
-            self.shard = DataShard(self._splits or load_splits(self.cfg.data), self.cfg.data,
-                                   self.plan.data_nodes.index(self.index), len(self.plan.data_nodes))
+        self._make_shard()
         await self._build_averager()
-        logger.info("%s switched to schedule epoch %d", self.node_name, epoch.epoch)
+        logger.info("%s switched to schedule epoch %d at iteration %d (%d members)", self.node_name, epoch.epoch,
+                    self.current_iteration, len(self.members))
+
+    def missing_stages(self) -> List[int]:
+        """Stages of the current epoch without a live replica (training cannot go on without them)."""
+        return [s for s in range(len(self.plan.stages))
+                if not any(self.is_alive(self.members[n]) for n in self.plan.replicas(s))]
+
+    async def _wait_for_stages(self) -> None:
+        """Pause at an iteration boundary while a stage has no live replica; resume on a new epoch."""
+        while True:
+            await self._maybe_switch_epoch()
+            missing = self.missing_stages()
+            if not missing or self._stop_requested or self._closed:
+                if self.paused_reason is not None:
+                    logger.info("%s: resuming at iteration %d", self.node_name, self.current_iteration)
+                self.paused_reason = None
+                return
+            reason = f"stage(s) {missing} have no live replica"
+            if reason != self.paused_reason:
+                logger.warning("%s: training paused before iteration %d: %s (waiting for a node holding them)",
+                               self.node_name, self.current_iteration, reason)
+            self.paused_reason = reason
+            await asyncio.sleep(self.cfg.pause_poll_s)
+
+    def switch_iteration(self) -> int:
+        """First iteration a newly issued epoch can start at without any member having begun it.
+
+        Members are at most one iteration apart (an iteration commits only after every member
+        published its norm), so ``current + 2`` is safe; while paused nobody runs, so ``current``."""
+        return self.current_iteration if self.paused_reason is not None else self.current_iteration + 2
 
     # ------------------------------------------------------------------ messages
     def _state(self, iteration: int) -> _IterationState:
@@ -302,16 +549,18 @@ class TrainerNode:
     def _on_message(self, msg: object, sender: str) -> None:
         from protocol import ActivationMessage, GradientMessage, HopFailure, IterationDone
 
+        if self.killed:
+            return
         if isinstance(msg, IterationDone):
             if msg.run_id != self.cfg.run_id or msg.iteration <= self.committed_iteration:
                 return
             st = self._state(msg.iteration)
             st.done[msg.data_node] = msg
-            if all(p in st.done for p in self.data_node_peers):
-                st.all_done.set()
+            self._check_done(st)
             return
         if isinstance(msg, HopFailure):
-            logger.warning("%s: hop failure reported for %s at hop %d: %s", self.node_name, msg.mb, msg.hop, msg.reason)
+            if msg.mb.run_id == self.cfg.run_id and msg.mb.data_node == self.peer_id:
+                self._on_hop_failure(msg)
             return
         if not isinstance(msg, (ActivationMessage, GradientMessage)) or msg.mb.run_id != self.cfg.run_id:
             return
@@ -322,14 +571,23 @@ class TrainerNode:
         if it > self.current_iteration:
             self._early[it].append(msg)  # never apply iteration i+1 before step i is committed
             return
-        if it < self.current_iteration:
-            logger.warning("%s: dropping stale %s of iteration %d", self.node_name, type(msg).__name__, it)
+        if it < self.current_iteration or not self._open:
+            logger.debug("%s: dropping late %s of iteration %d", self.node_name, type(msg).__name__, it)
             return
         self._enqueue(msg)
+
+    def _check_done(self, st: _IterationState) -> None:
+        """Iteration over: every data node of the epoch reported, or is gone."""
+        if all(p in st.done or not self.is_alive(p) for p in self.data_node_peers):
+            st.all_done.set()
 
     def _enqueue(self, msg: object) -> None:
         from protocol import GradientMessage
 
+        if msg.mb.epoch != self.epoch.epoch:
+            logger.warning("%s: dropping %s of epoch %d during epoch %d", self.node_name, type(msg).__name__,
+                           msg.mb.epoch, self.epoch.epoch)
+            return
         if isinstance(msg, GradientMessage):
             self._grads.append(msg)
         elif msg.hop == len(msg.route) - 1:  # activation back at its data node: loss
@@ -338,17 +596,174 @@ class TrainerNode:
             self._forwards.append(msg)
         self._wakeup.set()
 
-    def _spawn_send(self, peer: str, msg: object) -> None:
-        async def send() -> None:
-            try:
-                await self.dataplane.send(peer, msg)
-            except Exception as e:  # recovery (HopFailure, rerouting) is issue #6
-                logger.error("%s: %s", self.node_name, e)
-                self._failures.append(e)
-
-        task = asyncio.create_task(send())
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
         self._send_tasks.add(task)
         task.add_done_callback(self._send_tasks.discard)
+
+    async def _try_send(self, peer: str, msg: object) -> bool:
+        from node.dataplane import DataPlaneError
+
+        if self.killed:
+            return False
+        try:
+            await self.dataplane.send(peer, msg)
+            return True
+        except DataPlaneError as e:
+            self.suspect(peer, f"send failed: {e}")
+            return False
+        except Exception as e:  # noqa: BLE001 - a broken peer must never break this node
+            self.suspect(peer, f"send failed: {e!r}")
+            return False
+
+    def _send_control(self, peer: str, msg: object) -> None:
+        self._spawn(self._try_send(peer, msg))
+
+    # --------------------------------------------------------------- routing and recovery
+    def _min_path_stages(self) -> int:
+        return max(1, self.plan.path_length - self.cfg.max_extra_skips)
+
+    def _alternative(self, route: Tuple[str, ...], hop: int, avoid: set) -> Optional[str]:
+        """Another usable replica of the stage of ``route[hop]``, not already on the route."""
+        try:
+            stage = self.plan.stage_of[self.members.index(route[hop])]
+        except ValueError:
+            return None
+        on_route = set(route)
+        options = [self.members[n] for n in self.plan.replicas(stage)]
+        options = [p for p in options if p not in avoid and p not in on_route and self.usable(p)]
+        if not options:
+            return None
+        # deterministic spread: the replica whose id hashes nearest to this microbatch
+        return min(options, key=lambda p: (hash((p, route)) & 0xFFFF, p))
+
+    async def _send_forward(self, msg) -> None:
+        """Send an activation to ``msg.route[msg.hop]``; on a dead hop re-route to another replica of
+        that stage, else skip the stage if the path's skip budget allows, else tell the data node."""
+        from protocol import ActivationMessage, HopFailure
+
+        route, hop, failed = tuple(msg.route), msg.hop, set()
+        while True:
+            target = route[hop]
+            if target == self.peer_id or (self.usable(target) and target not in failed):
+                if await self._try_send(target, ActivationMessage(msg.mb, hop, route, msg.tensor)):
+                    return
+            failed.add(target)
+            if target == route[-1]:
+                break  # the data node itself is gone: nobody is left to tell
+            alt = self._alternative(route, hop, failed)
+            if alt is not None:
+                logger.warning("%s: re-routing %s hop %d from %s to %s", self.node_name, _mb_name(msg.mb), hop,
+                               target[-8:], alt[-8:])
+                route = route[:hop] + (alt,) + route[hop + 1:]
+                self.reroutes += 1
+                self._count("reroute")
+                continue
+            if len(route) - 2 >= self._min_path_stages() and hop < len(route) - 1:
+                logger.warning("%s: skipping stage of %s for %s (no live replica)", self.node_name, target[-8:],
+                               _mb_name(msg.mb))
+                route = route[:hop] + route[hop + 1:]
+                self.skips += 1
+                self._count("skip")
+                continue
+            break
+        report = HopFailure(msg.mb, hop, route[hop], "forward: no live replica and no skip budget")
+        if msg.mb.data_node == self.peer_id:
+            self._on_hop_failure(report)
+        else:
+            self._send_control(msg.mb.data_node, report)
+        self.runtime.drop(self._key(msg.mb))
+
+    async def _send_backward(self, msg) -> None:
+        """Gradients cannot be re-routed (the autograd state lives on that node): report and drop."""
+        from protocol import HopFailure
+
+        target = msg.route[msg.hop]
+        if await self._try_send(target, msg):
+            return
+        if target != msg.mb.data_node:
+            self._send_control(msg.mb.data_node, HopFailure(msg.mb, msg.hop, target, "backward: peer unreachable"))
+
+    def _count(self, what: str) -> None:
+        if self.metrics is not None and what == "reroute" and hasattr(self.metrics, "count_reroute"):
+            with contextlib.suppress(Exception):
+                self.metrics.count_reroute()
+
+    def _on_hop_failure(self, msg) -> None:
+        """Data node: a hop of one of our microbatches failed."""
+        p = self._pending.get(msg.mb.index)
+        if p is None or p.attempt != msg.mb.attempt or msg.mb.iteration != self.current_iteration:
+            return
+        if msg.peer_id != self.peer_id:
+            self.suspect(msg.peer_id, f"hop {msg.hop} of {_mb_name(msg.mb)}: {msg.reason}")
+        self._fail_microbatch(p, f"hop failure at hop {msg.hop}: {msg.reason}")
+
+    def _fail_microbatch(self, p: _Pending, why: str) -> None:
+        """Retry a microbatch whose forward failed on a fresh path, or drop it (never hang)."""
+        it = self.current_iteration
+        st = self._state(it)
+        old_key = (self.peer_id, self.epoch.epoch, it, p.index, p.attempt)
+        self.runtime.drop(old_key)
+        if not p.loss_done and p.attempt < self.cfg.max_retries:
+            route = self._fresh_route(p.index)
+            if route is not None:
+                logger.warning("%s: microbatch %d of iteration %d failed (%s); recomputing as attempt %d on %s",
+                               self.node_name, p.index, it, why, p.attempt + 1, [r[-6:] for r in route])
+                self._pending.pop(p.index, None)
+                st.retried += 1
+                self._starts.append((p.index, p.attempt + 1, route))
+                self._wakeup.set()
+                return
+        logger.warning("%s: dropping microbatch %d of iteration %d (%s); the step is re-weighted over the "
+                       "microbatches that completed", self.node_name, p.index, it, why)
+        self._pending.pop(p.index, None)
+        self._targets.pop(old_key, None)
+        st.dropped += 1
+        self._count("drop")
+        self._microbatch_finished(st)
+
+    def _fresh_route(self, index: int) -> Optional[Tuple[str, ...]]:
+        """The planned route of microbatch ``index`` with dead or suspected nodes replaced by live
+        replicas of their stages (or skipped within the skip budget); None if impossible."""
+        planned = [self.members[n] for n in self._routes[index]]
+        route: List[str] = [self.peer_id]
+        for peer in planned[1:]:
+            if self.usable(peer) and peer not in route:
+                route.append(peer)
+                continue
+            alt = self._alternative(tuple(route + [peer]), len(route), set())
+            if alt is not None and alt not in route:
+                route.append(alt)
+        if len(route) < self._min_path_stages():
+            return None
+        return tuple(route) + (self.peer_id,)
+
+    def _microbatch_finished(self, st: _IterationState) -> None:
+        from protocol import IterationDone
+
+        st.remaining -= 1
+        self._wakeup.set()
+        if st.remaining == 0:
+            done = IterationDone(self.cfg.run_id, self.epoch.epoch, self.current_iteration, self.peer_id,
+                                 dict(st.visits), st.dropped)
+            for peer in self.members:
+                if self.is_alive(peer):
+                    self._send_control(peer, done)
+
+    async def _monitor(self, it: int) -> None:
+        """Data node: fail microbatches past their deadline or routed through a node that is gone."""
+        while self._open and self.current_iteration == it and not self._closed:
+            now = time.monotonic()
+            for p in list(self._pending.values()):
+                dead = [r for r in p.route if not self.is_alive(r)]
+                if dead:
+                    self._fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
+                elif now > p.deadline:
+                    self._fail_microbatch(p, f"deadline of {self.deadlines.microbatch_budget_s(p.route):.1f}s passed")
+            st = self._iters.get(it)
+            if st is not None:
+                self._check_done(st)
+            await asyncio.sleep(self.cfg.liveness_poll_s)
 
     # ------------------------------------------------------------------ compute worker
     def _next_job(self):
@@ -369,6 +784,7 @@ class TrainerNode:
         while not self._closed:
             job = self._next_job()
             if job is None:
+                self._idle.set()
                 self._wakeup.clear()
                 if not self._forwards:
                     await self._wakeup.wait()
@@ -377,41 +793,82 @@ class TrainerNode:
                     await asyncio.wait_for(self._wakeup.wait(), self.cfg.memory_deadlock_grace_s)
                     continue
                 except asyncio.TimeoutError:
+                    if not self._forwards:
+                        continue
                     logger.warning("%s: memory slots full (%d) for %.0fs with %d forwards waiting; admitting one "
                                    "to break a possible cyclic wait", self.node_name, self.memory_slots,
                                    self.cfg.memory_deadlock_grace_s, len(self._forwards))
                     self.overcommits += 1
                     job = (self._do_forward, self._forwards.popleft())
             fn, arg = job
+            if not self._open:
+                continue  # the iteration closed while this job waited: its result would be unused
+            self._idle.clear()
             try:
-                await fn(arg)
+                if await self._inject(fn, arg):
+                    await fn(arg)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except NodeKilled:
+                return
+            except Exception:
                 logger.exception("%s: compute job failed", self.node_name)
-                self._failures.append(e)
+            finally:
+                self._idle.set()
+
+    async def _inject(self, fn, arg) -> bool:
+        """Apply a fault-injection rule to this job; False = the job is dropped."""
+        if not self.faults:
+            return True
+        if fn == self._do_start:
+            index, hop, direction, it = arg[0], 0, "forward", self.current_iteration
+        else:
+            index, hop, it = arg.mb.index, arg.hop, arg.mb.iteration
+            direction = "backward" if fn in (self._do_backward,) else "forward"
+        rule = self.faults.take(it, hop, direction, index)
+        if rule is None:
+            return True
+        if rule.action == "delay":
+            await asyncio.sleep(rule.delay_s)
+            return True
+        if rule.action == "drop":
+            return False
+        self.kill()
+        raise NodeKilled(f"{self.node_name} killed by fault injection")
+
+    def kill(self) -> None:
+        """Die now, without a word to anyone (fault injection)."""
+        self.killed = True
+        if self._on_kill is not None:
+            self._on_kill()
+        self._closed = True
+        self._wakeup.set()
+        for st in self._iters.values():
+            st.all_done.set()
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _key(self, mb) -> MbKey:
-        return (mb.data_node, mb.epoch, mb.iteration, mb.index)
+        return (mb.data_node, mb.epoch, mb.iteration, mb.index, mb.attempt)
 
-    async def _do_start(self, index: int) -> None:
+    async def _do_start(self, job) -> None:
         from protocol import ActivationMessage, MicrobatchId, TensorFrame
 
+        index, attempt, route = job
         it, epoch = self.current_iteration, self.epoch.epoch
-        route = self._routes[index]
-        peers = tuple(self.members[n] for n in route) + (self.peer_id,)
-        mb = MicrobatchId(self.cfg.run_id, epoch, it, self.peer_id, index)
+        mb = MicrobatchId(self.cfg.run_id, epoch, it, self.peer_id, index, attempt)
         key = self._key(mb)
         assert self.shard is not None and self.runtime is not None
         inputs, targets = self.shard.batch(it, index)
         self._targets[key] = targets
         st = self._state(it)
-        st.tokens += targets.numel()
+        if attempt == 0:
+            st.tokens += targets.numel()
+        self._pending[index] = _Pending(index, attempt, route,
+                                        time.monotonic() + self.deadlines.microbatch_budget_s(route))
         frame = await self._compute(lambda: TensorFrame.from_tensor(self.runtime.start(key, inputs)))
-        self._spawn_send(peers[1], ActivationMessage(mb, 1, peers, frame))
+        self._spawn(self._send_forward(ActivationMessage(mb, 1, route, frame)))
 
     async def _do_forward(self, msg) -> None:
         from protocol import ActivationMessage, TensorFrame
@@ -419,11 +876,14 @@ class TrainerNode:
         key = self._key(msg.mb)
         assert self.runtime is not None
         frame = await self._compute(lambda: TensorFrame.from_tensor(self.runtime.forward(key, msg.tensor.to_tensor())))
-        self._spawn_send(msg.route[msg.hop + 1], ActivationMessage(msg.mb, msg.hop + 1, msg.route, frame))
+        self._spawn(self._send_forward(ActivationMessage(msg.mb, msg.hop + 1, msg.route, frame)))
 
     async def _do_loss(self, msg) -> None:
         from protocol import GradientMessage, TensorFrame
 
+        p = self._pending.get(msg.mb.index)
+        if p is None or p.attempt != msg.mb.attempt or p.loss_done:
+            return  # an attempt that was already given up (late), or a duplicate
         key = self._key(msg.mb)
         targets = self._targets.pop(key)
         assert self.runtime is not None
@@ -433,50 +893,63 @@ class TrainerNode:
             return loss, TensorFrame.from_tensor(grad)
 
         loss, frame = await self._compute(run)
+        if self._pending.get(msg.mb.index) is not p:
+            return  # failed while the loss ran
+        p.loss_done, p.route = True, tuple(msg.route)
         self._state(msg.mb.iteration).losses.append(loss)
-        self._spawn_send(msg.route[msg.hop - 1], GradientMessage(msg.mb, msg.hop - 1, msg.route, frame))
+        self._spawn(self._send_backward(GradientMessage(msg.mb, msg.hop - 1, msg.route, frame)))
 
     async def _do_backward(self, msg) -> None:
-        from protocol import GradientMessage, IterationDone, TensorFrame
+        from protocol import GradientMessage, TensorFrame
 
         key = self._key(msg.mb)
         assert self.runtime is not None
         if msg.hop > 0:
             frame = await self._compute(
                 lambda: TensorFrame.from_tensor(self.runtime.backward(key, msg.tensor.to_tensor())))
-            self._spawn_send(msg.route[msg.hop - 1], GradientMessage(msg.mb, msg.hop - 1, msg.route, frame))
+            self._spawn(self._send_backward(GradientMessage(msg.mb, msg.hop - 1, msg.route, frame)))
             return
         # back at the data node: backward through stage 0, the microbatch is complete
+        p = self._pending.get(msg.mb.index)
+        if p is None or p.attempt != msg.mb.attempt:
+            self.runtime.drop(key)
+            return
         await self._compute(lambda: self.runtime.finish(key, msg.tensor.to_tensor()))
+        if self._pending.get(msg.mb.index) is not p:
+            return
+        self._pending.pop(msg.mb.index, None)
         st = self._state(msg.mb.iteration)
         for peer in msg.route[:-1]:
             st.visits[peer] += 1
-        st.remaining -= 1
-        self._wakeup.set()
-        if st.remaining == 0:
-            done = IterationDone(self.cfg.run_id, self.epoch.epoch, msg.mb.iteration, self.peer_id,
-                                 dict(st.visits), 0)
-            for peer in self.members:
-                self._spawn_send(peer, done)
+        self._microbatch_finished(st)
 
     # ------------------------------------------------------------------ iteration
     async def run_iteration(self) -> IterationStats:
         """Run and commit iteration ``self.current_iteration``."""
         if self._closed:
             raise RuntimeError("trainer is shut down")
-        await self._maybe_switch_epoch()
+        await self._wait_for_stages()
         it = self.current_iteration
         t0 = time.perf_counter()
         st = self._state(it)
+        self._open = True
         if self.is_data_node:
             self._routes = self.plan.routes_for(self.index)
+            self._pending.clear()
             st.remaining = len(self._routes)
             if st.remaining == 0:
                 from protocol import IterationDone
 
                 for peer in self.members:
-                    self._spawn_send(peer, IterationDone(self.cfg.run_id, self.epoch.epoch, it, self.peer_id, {}, 0))
-            self._starts.extend(range(len(self._routes)))
+                    self._send_control(peer, IterationDone(self.cfg.run_id, self.epoch.epoch, it, self.peer_id, {}, 0))
+            for j in range(len(self._routes)):
+                route = tuple(self.members[n] for n in self._routes[j]) + (self.peer_id,)
+                if not all(self.usable(r) for r in route):
+                    route = self._fresh_route(j) or route
+                self._starts.append((j, 0, route))
+            self._monitor_task = asyncio.create_task(self._monitor(it), name=f"trainer-monitor-{self.node_name}")
+        else:
+            self._monitor_task = asyncio.create_task(self._watch_done(it), name=f"trainer-watch-{self.node_name}")
         for msg in self._early.pop(it, []):
             self._enqueue(msg)
         self._wakeup.set()
@@ -487,42 +960,54 @@ class TrainerNode:
             missing = [p[-8:] for p in self.data_node_peers if p not in st.done]
             raise TrainingStalled(f"{self.node_name}: iteration {it} incomplete after "
                                   f"{self.cfg.iteration_timeout_s:.0f}s; no IterationDone from {missing}")
-        if self._failures:
-            raise TrainingStalled(f"{self.node_name}: iteration {it} had failures: {self._failures[0]!r}")
+        finally:
+            self._open = False
+            if self._monitor_task is not None:
+                self._monitor_task.cancel()
+        if self.killed:
+            raise NodeKilled(f"{self.node_name} was killed")
+        await self._idle.wait()  # a job that started before the close finishes before we average
+        self._grads.clear(), self._returns.clear(), self._forwards.clear(), self._starts.clear()
         assert self.runtime is not None
-        expected = sum(d.visits.get(self.peer_id, 0) for d in st.done.values())
-        if expected != self.runtime.visits:
-            logger.warning("%s: processed %d microbatches, data nodes report %d", self.node_name,
-                           self.runtime.visits, expected)
+        dropped = sum(int(d.dropped) for d in st.done.values())
 
         t_mb = time.perf_counter()
         averaged = await self._average(st)
         t_avg = time.perf_counter()
         loss_sum = float(sum(st.losses))
         record = {"stage": self.stage, "sq": self.runtime.grad_squared_norm(), "loss_sum": loss_sum,
-                  "n_mb": len(st.losses), "tokens": st.tokens if self.is_data_node else 0}
+                  "n_mb": len(st.losses), "tokens": st.tokens if self.is_data_node else 0,
+                  "checksum": self.runtime.checksum()}
         records = await self._exchange_norms(it, record)
         total_sq = self._global_squared_norm(records)
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
         t_norm = time.perf_counter()
+        source = self._resync_source(records, record["checksum"])
 
         def step() -> None:
             self.runtime.scale_grads(coef)
             self.runtime.step()
+            self._state_iteration = it
 
-        await self._compute(step)
+        if source is not None:
+            await self._resync(source, it)
+        else:
+            await self._compute(step)
         self.committed_iteration = it
         self.current_iteration = it + 1
         del self._iters[it]
+        for old in [k for k in self._iters if k < it]:
+            del self._iters[old]
         n_mb = sum(int(r.get("n_mb", 0)) for r in records.values())
         stats = IterationStats(
             iteration=it, epoch=self.epoch.epoch,
             loss=sum(float(r.get("loss_sum", 0.0)) for r in records.values()) / max(n_mb, 1),
             microbatches=n_mb, tokens=sum(int(r.get("tokens", 0)) for r in records.values()),
             seconds=time.perf_counter() - t0, grad_norm=math.sqrt(total_sq), clip_coef=coef,
-            active_nodes=len(records), local_visits=expected, averaged=averaged,
+            active_nodes=len(records), local_visits=self.runtime.visits, averaged=averaged,
             microbatch_s=t_mb - t0, averaging_s=t_avg - t_mb, norm_exchange_s=t_norm - t_avg,
-            step_s=time.perf_counter() - t_norm)
+            step_s=time.perf_counter() - t_norm, dropped=dropped, retried=st.retried,
+            resynced=source is not None)
         self.history.append(stats)
         if self.checkpoints and self.cfg.checkpoint_every > 0 and (it + 1) % self.cfg.checkpoint_every == 0:
             await self.save_checkpoint()
@@ -530,18 +1015,60 @@ class TrainerNode:
             self.on_iteration(stats)
         return stats
 
+    async def _watch_done(self, it: int) -> None:
+        """Non-data nodes: notice a data node that is gone, so the iteration does not wait for it."""
+        while self._open and self.current_iteration == it and not self._closed:
+            st = self._iters.get(it)
+            if st is not None:
+                self._check_done(st)
+            await asyncio.sleep(self.cfg.liveness_poll_s)
+
+    def _resync_source(self, records: Dict[str, dict], mine: float) -> Optional[str]:
+        """The replica to copy from when ours diverged (a failed all-reduce): the lowest live peer id of
+        our stage; None when we agree with it (or are it)."""
+        replicas = sorted(p for p, r in records.items() if int(r["stage"]) == self.stage and "checksum" in r)
+        if not replicas or replicas[0] == self.peer_id:
+            return None
+        theirs = float(records[replicas[0]]["checksum"])
+        if abs(theirs - mine) <= self.cfg.resync_tolerance * max(1.0, abs(theirs)):
+            return None
+        logger.warning("%s: stage %d parameters differ from replica %s (checksum %.9g vs %.9g); re-syncing",
+                       self.node_name, self.stage, replicas[0][-8:], mine, theirs)
+        return replicas[0]
+
+    async def _resync(self, source: str, it: int) -> None:
+        """Take ``source``'s state right after its step of ``it`` instead of stepping ourselves."""
+        from node.state_transfer import StateTransferError, fetch_state
+
+        try:
+            _, snap = await fetch_state(self.p2p, self.cfg.run_id, [source], self.stage, it,
+                                        timeout_s=self.cfg.state_fetch_timeout_s)
+        except StateTransferError as e:
+            logger.warning("%s: re-sync failed (%s); stepping on our own", self.node_name, e)
+            coef_free = lambda: (self.runtime.step(), setattr(self, "_state_iteration", it))  # noqa: E731
+            await self._compute(coef_free)
+            return
+        state = await self._compute(snap.state_dict)
+
+        def load() -> None:
+            self.runtime.load_state_dict(state)
+            self.runtime.reset_grads()
+            self._state_iteration = it
+
+        await self._compute(load)
+        self.resyncs += 1
+
     async def _average(self, st: _IterationState) -> Optional[bool]:
         assert self.runtime is not None
         group = [self.members[n] for n in self.plan.replicas(self.stage)]
-        group_visits = sum(d.visits.get(p, 0) for d in st.done.values() for p in group)
+        live = [p for p in group if self.is_alive(p)]
         self.runtime.mean_grads()
-        if self.averager is None or group_visits == 0:
+        if self.averager is None or len(live) < 2:
             return None
         ok = await self.averager.average(self.runtime.grads(), weight=float(self.runtime.visits))
         if not ok:
-            # replicas may now differ; the checksum re-sync of issue #6 repairs that
-            logger.warning("%s: stage %d averaging failed; stepping with the local mean gradient",
-                           self.node_name, self.stage)
+            logger.warning("%s: stage %d averaging failed; stepping with the local mean gradient (replicas are "
+                           "re-synced by checksum next iteration)", self.node_name, self.stage)
         return ok
 
     async def _exchange_norms(self, it: int, record: dict) -> Dict[str, dict]:
@@ -558,7 +1085,7 @@ class TrainerNode:
             res = await self.dht.get(key, latest=True, return_future=True)
             if res is not None and isinstance(res.value, dict):
                 found = {str(k): v.value for k, v in res.value.items() if str(k) in self.members}
-            if len(found) == len(self.members):
+            if all(p in found or not self.is_alive(p) for p in self.members):
                 return found
             if time.monotonic() > deadline:
                 missing = [p[-8:] for p in self.members if p not in found]
@@ -574,12 +1101,20 @@ class TrainerNode:
         return sum(sq for _, sq in per_stage.values())
 
     async def run(self, iterations: int, stop_event: Optional[asyncio.Event] = None) -> List[IterationStats]:
-        """Train until ``iterations`` iterations are committed in total (resume counts earlier ones)."""
+        """Train until ``iterations`` iterations are committed in total (resume counts earlier ones).
+
+        Returns early when stopped, or when a new epoch leaves this node out (``self.left`` is set)."""
         out = []
+        self.left = None
         while self.current_iteration < iterations and not self._stop_requested:
             if stop_event is not None and stop_event.is_set():
                 break
-            out.append(await self.run_iteration())
+            try:
+                out.append(await self.run_iteration())
+            except LeftSchedule as e:
+                self.left = str(e)
+                logger.info("%s leaves training: %s", self.node_name, e)
+                break
         return out
 
     def request_stop(self) -> None:
@@ -600,25 +1135,36 @@ class TrainerNode:
 
     async def shutdown(self) -> None:
         """Clean stop: save the last committed step, close the data plane and the averager."""
-        if self._closed:
+        if self._shut:
             return
-        await self.save_checkpoint()
+        self._shut = True
+        if not self.killed:
+            await self.save_checkpoint()
         self._closed = True
         self._wakeup.set()
-        if self._worker_task is not None:
-            self._worker_task.cancel()
-            try:
-                await self._worker_task
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in (self._worker_task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
         if self._send_tasks:
             await asyncio.wait(list(self._send_tasks), timeout=5)
         if self.dataplane is not None:
             await self.dataplane.close()
+            self.dataplane = None
+        if self.state_server is not None:
+            await self.state_server.close()
+            self.state_server = None
         if self.averager is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.averager.shutdown)
             self.averager = None
         self._executor.shutdown(wait=True)
+
+
+def _mb_name(mb) -> str:
+    return f"mb {mb.data_node[-6:]}/{mb.iteration}/{mb.index}.{mb.attempt}"
 
 
 #: DHT key (one subkey per member) under which every trainer confirms the epoch it trains on.

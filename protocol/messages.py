@@ -71,10 +71,14 @@ class MicrobatchId:
     iteration: int
     data_node: str
     index: int
+    #: retry number of this microbatch within its iteration (a forward that failed is re-sent on a
+    #: fresh path as attempt 1, ...); part of the identity so late frames of an old attempt are told apart
+    attempt: int = 0
 
     def validate(self, options: DecodeOptions) -> None:
         """Counters are non-negative."""
-        _non_negative("MicrobatchId", epoch=self.epoch, iteration=self.iteration, index=self.index)
+        _non_negative("MicrobatchId", epoch=self.epoch, iteration=self.iteration, index=self.index,
+                      attempt=self.attempt)
 
 
 @register_message
@@ -251,10 +255,13 @@ class ScheduleEpoch:
     members: tuple[str, ...]
     schedule: dict
     signature: bytes
+    #: first training iteration that runs on this epoch; every node finishes earlier iterations on
+    #: the epoch before, so all members switch at the same iteration boundary (0 = from the start)
+    start_iteration: int = 0
 
     def validate(self, options: DecodeOptions) -> None:
-        """``epoch`` is non-negative."""
-        _non_negative("ScheduleEpoch", epoch=self.epoch)
+        """``epoch`` and ``start_iteration`` are non-negative."""
+        _non_negative("ScheduleEpoch", epoch=self.epoch, start_iteration=self.start_iteration)
 
     def signing_payload(self) -> bytes:
         """The bytes the coordinator signs: this message encoded with an empty signature."""

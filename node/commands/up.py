@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -120,10 +121,15 @@ class LocalSwarm:
 
     def __init__(self, schedule: dict, config, splits=None, threads_per_node: Optional[int] = 1,
                  on_iteration: Optional[Callable] = None,
-                 emulation_for: Optional[Callable[[int, Sequence[str]], object]] = None):
+                 emulation_for: Optional[Callable[[int, Sequence[str]], object]] = None,
+                 faults_for: Optional[Callable[[int], object]] = None):
         """``emulation_for(i, members)``: optional per-node :class:`node.link_emulation.Emulation` (off by default).
         ``self.epoch`` may be replaced between iterations (same allocation) to switch schedules."""
         self.emulation_for = emulation_for
+        #: ``faults_for(i)``: optional per-node :class:`node.faults.FaultInjector` (deterministic fault tests)
+        self.faults_for = faults_for
+        #: peer ids of nodes that were killed; stands in for the daemon's view (advert expiry) here
+        self.dead: set = set()
         self.schedule, self.config, self.splits = schedule, config, splits
         self.threads_per_node = threads_per_node
         self.on_iteration = on_iteration
@@ -170,7 +176,9 @@ class LocalSwarm:
             node = TrainerNode(p2p=p2p, dht=dht, peer_id=members[i], epoch=lambda: self.epoch, config=self.config,
                                splits=self.splits, node_name=f"node{i}",
                                on_iteration=self.on_iteration if i == 0 else None,
-                               emulation=self.emulation_for(i, members) if self.emulation_for else None)
+                               emulation=self.emulation_for(i, members) if self.emulation_for else None,
+                               alive=self.is_alive, faults=self.faults_for(i) if self.faults_for else None,
+                               on_kill=lambda i=i: self._on_kill(i))
             await node.setup()
             self.nodes.append(node)
         logger.info("local swarm of %d nodes ready", self.n_nodes)
@@ -182,9 +190,37 @@ class LocalSwarm:
     def start_iteration(self) -> int:
         return self.nodes[0].current_iteration
 
+    def is_alive(self, peer_id: str) -> bool:
+        return peer_id not in self.dead
+
+    def _on_kill(self, i: int) -> None:
+        """A node died (fault injection): its p2pd goes away, so streams to it break like a dead host's."""
+        self.dead.add(str(self.p2ps[i].peer_id))
+        asyncio.ensure_future(self._kill_p2p(i))
+
+    async def _kill_p2p(self, i: int) -> None:
+        node = self.nodes[i] if i < len(self.nodes) else None
+        if node is not None and node.dataplane is not None:
+            with contextlib.suppress(Exception):
+                await node.dataplane.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.p2ps[i].shutdown(), DHT_SHUTDOWN_TIMEOUT_S)
+
+    def kill(self, i: int) -> None:
+        """Kill node ``i`` now, mid-whatever (its trainer stops, its p2pd is shut down)."""
+        self.nodes[i].kill()
+
     async def train(self, iterations: int):
         """Run all nodes to ``iterations`` committed iterations; returns node 0's history."""
-        tasks = [asyncio.create_task(n.run(iterations)) for n in self.nodes]
+        from node.trainer import NodeKilled
+
+        async def run(n):
+            try:
+                return await n.run(iterations)
+            except NodeKilled:
+                return None
+
+        tasks = [asyncio.create_task(run(n)) for n in self.nodes]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
