@@ -81,6 +81,9 @@ class BenchConfig:
     microbatch_size: int = 8
     seq_len: Optional[int] = None  # default: the model's context
     lr: float = 3e-3
+    lr_schedule: str = "constant"  # or "cosine": linear warm-up, then cosine decay to min_lr_ratio x lr
+    warmup_iterations: int = 0
+    min_lr_ratio: float = 0.1
     seed: int = 0
     threads: int = 1  # one thread is faster than two on cores shared with other work
 
@@ -115,6 +118,17 @@ def skip_schedule(n_stages: int, seed: int) -> Schedule:
     return sched
 
 
+def lr_at(cfg: BenchConfig, it: int) -> float:
+    """Learning rate of (1-based) iteration ``it``: the same schedule for both variants."""
+    if cfg.warmup_iterations > 0 and it <= cfg.warmup_iterations:
+        return cfg.lr * it / cfg.warmup_iterations
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.iterations - cfg.warmup_iterations)
+    progress = min(1.0, (it - cfg.warmup_iterations) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: TokenSplits,
               checkpoints: pathlib.Path, log=print) -> RunResult:
     """Train one variant, evaluating the full model every ``eval_every`` iterations."""
@@ -129,6 +143,10 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
     tokens, since = 0, []
     t0 = time.perf_counter()
     for it in range(1, cfg.iterations + 1):
+        lr = lr_at(cfg, it)
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
         res = trainer.train_iteration()
         tokens += res.tokens
         since.append(res.loss)
@@ -183,6 +201,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--microbatch-size", type=int, default=d.microbatch_size, help=f"default {d.microbatch_size}")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
+    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=["constant", "cosine"],
+                   help=f"learning-rate schedule, the same for both runs (default {d.lr_schedule})")
+    p.add_argument("--warmup-iterations", type=int, default=d.warmup_iterations,
+                   help=f"linear learning-rate warm-up (default {d.warmup_iterations})")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+                   help=f"cosine floor as a fraction of --lr (default {d.min_lr_ratio})")
     p.add_argument("--seed", type=int, default=d.seed, help="model, data and path-search seed (default 0)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default 1)")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
@@ -196,7 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = BenchConfig(model=args.model, corpus=args.corpus, iterations=args.iterations, eval_every=args.eval_every,
                       val_batches=args.val_batches, microbatch_size=args.microbatch_size, seq_len=args.seq_len,
-                      lr=args.lr, seed=args.seed, threads=args.threads)
+                      lr=args.lr, lr_schedule=args.lr_schedule, warmup_iterations=args.warmup_iterations,
+                      min_lr_ratio=args.min_lr_ratio, seed=args.seed, threads=args.threads)
     if cfg.iterations < 1 or cfg.eval_every < 1:
         raise SystemExit("--iterations and --eval-every must be at least 1")
     torch.set_num_threads(cfg.threads)

@@ -6,13 +6,24 @@ data-plane message delayed as the profile's links would delay it (:mod:`node.lin
 every compute step padded to the profile's GPU speed, and prints the simulator's prediction for
 the very same schedule and cost matrix next to the measurement.
 
-Setup (one invocation, back to back, same swarm, same model, same data):
+Setup (one invocation, back to back, same model, same data):
 
 * 20 nodes, stage sizes 5,3,3,3,3,3, path length 4 of 6, 6 microbatches of 8 sequences per data
-  node, memory 3; node ``i`` sits at location ``i mod 12`` of the profile (round-robin).
-* The swarm is the **in-process harness** (:class:`node.commands.up.LocalSwarm`: one real
-  hivemind P2P + DHT per node, all in this process), not 20 daemons: 20 daemons overload 2 cores
-  (joining alone took ~50 s) and their CPU contention would swamp the emulated times.
+  node, memory 3, on the geo-distributed-12 profile. One node-to-stage allocation
+  (:func:`scheduler.allocation.allocate` over the 20 round-robin placed nodes) decides which
+  location holds which stage, the same for all three schedules.
+* **Default harness: 20 real daemons** (``skippipe node run --train`` processes started by
+  :class:`node.local_swarm.LocalSwarm`, one process group each), one fresh swarm per schedule
+  policy, back to back: ``--schedule-policy full`` (:func:`scheduler.baselines.full_pipeline`),
+  ``random`` (:func:`scheduler.baselines.random_skip`) and ``skippipe``
+  (:func:`scheduler.paths.schedule_paths`), each computed by the swarm's own coordinator. Every
+  daemon gets ``--network-profile FILE --location NAME`` (its allocated location) with the scaled
+  latencies/bandwidths below and ``--compute-s-per-sample-per-layer``; the founder passes
+  ``--schedule-cost emulation`` so the coordinator schedules for the emulated links (the daemons'
+  link probes run over loopback and would otherwise make every schedule network-blind). Torch is
+  limited to 1 thread per daemon. ``--in-process`` runs the older harness instead
+  (:class:`node.commands.up.LocalSwarm`: 20 nodes with real hivemind P2P + DHT in this process,
+  schedules computed here, epochs switched on one swarm).
 * Model: tiny (6 stages x 1 layer, d_model 64, context 64, fp32 activations of 8 x 64 x 64 x 4 =
   128 KiB). It stands in for the paper's setting (4 layers per stage, d_model 1024, context 1024:
   32 MiB activations) replayed ``1 / time_scale`` times faster:
@@ -21,21 +32,23 @@ Setup (one invocation, back to back, same swarm, same model, same data):
     model's fixed per-message cost, emulated as extra latency);
   - bandwidth: profile bandwidth x ``(128 KiB / 32 MiB) / time_scale``, so a tiny activation takes
     as long (scaled) as a paper-sized one.
-* The cost matrix the schedules are made for and the simulator is run on is built from exactly
-  these emulated quantities (:func:`scheduler.cost.build_cost` with the scaled profile and the
-  tiny model's shape), so prediction and emulation describe the same system.
-* Schedules over one allocation (:func:`scheduler.allocation.allocate`): full pipeline
-  (:func:`scheduler.baselines.full_pipeline`), random skip (:func:`scheduler.baselines.random_skip`),
-  SkipPipe (:func:`scheduler.paths.schedule_paths`). The swarm switches schedule epochs between
-  runs (same allocation, so every node keeps its stage).
+  With time scale 0.05 an emulated SkipPipe iteration is ~3-4 s, far above the real compute of the
+  tiny model, so the 2 shared cores mostly wait (sleeping compute threads, delayed sends).
+* The prediction: the schedule the run actually used (the daemons' adopted epoch, read over RPC,
+  or the in-process schedule) simulated (:func:`scheduler.simulator.simulate`) on the cost matrix
+  of exactly these emulated quantities (:func:`scheduler.cost.build_cost` with the scaled profile,
+  the tiny model's shape and each member's location).
 
 Measured "iteration time" = the microbatch phase of an iteration (first forward to the last
-backward, as every node learns it from the data nodes' ``IterationDone``; the minimum over nodes),
+backward, as every node learns it from the data nodes' ``IterationDone``;
+``IterationStats.microbatch_s`` from each daemon's ``training`` RPC; the minimum over nodes),
 which is what the simulator predicts; the DP all-reduce and the DHT norm exchange are not modelled
 by the simulator and are reported separately (``full_iteration_s``).
 
-Run: ``python bench/wan.py`` (about 5-8 minutes on 2 busy cores); ``--time-scale``, ``--iterations``,
-``--warmup``. Writes ``bench/results/wan.json`` and ``bench/results/wan.png``.
+Run: ``python bench/wan.py`` (daemons; about 10-15 minutes on 2 busy cores, mostly the three
+swarms joining); ``--in-process`` (about 5 minutes); ``--time-scale``, ``--iterations``,
+``--warmup``. Writes ``bench/results/wan.json`` and ``bench/results/wan.png``. No daemon or p2pd
+survives the run (process groups are stopped, then killed; the count left is reported).
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ import logging
 import os
 import pathlib
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -130,7 +144,7 @@ def build_setting(args) -> dict:
     return {"model": mcfg, "profile": profile, "emu_profile": emu_profile, "locations": [n.location for n in nodes],
             "cost": cost, "stages": [list(s) for s in stages], "schedules": schedules, "predicted": predicted,
             "compute_s_per_sample_per_layer": compute, "latency_scale": ts, "bandwidth_scale": bandwidth_scale,
-            "hop_overhead_s": hop, "activation_bytes": activation_bytes(tiny),
+            "hop_overhead_s": hop, "activation_bytes": activation_bytes(tiny), "shape": tiny,
             "deterministic": not (alloc.budget_hit or report.budget_hit)}
 
 
@@ -175,11 +189,160 @@ async def run_live(args, setting: dict) -> Dict[str, dict]:
             full = [swarm.nodes[0].history[i].seconds for i in its]
             overcommits = sum(n.overcommits for n in swarm.nodes)
             results[name] = {"iterations_s": mb, "mean_s": statistics.fmean(mb), "full_iteration_s": full,
+                             "predicted_s": setting["predicted"][name],
                              "mean_full_iteration_s": statistics.fmean(full), "overcommits": overcommits,
                              "wall_s": time.perf_counter() - t_run}
             print(f"  {name}: iterations {', '.join(f'{x:.2f}' for x in mb)} s (microbatch phase); "
                   f"with averaging + norm exchange {statistics.fmean(full):.2f} s", flush=True)
         results["_startup_s"] = {"value": startup_s}
+    return results
+
+
+#: (policy flag, row name), in the order they run.
+POLICIES = (("full", "full pipeline"), ("random", "random skip"), ("skippipe", "SkipPipe"))
+DAEMON_HEARTBEAT_S = 2.0
+_POLL_S = 2.0
+
+
+def daemon_locations(setting: dict) -> List[str]:
+    """Location of each daemon of :class:`node.local_swarm.LocalSwarm` (index i holds stage
+    ``layout[i]``, replicas of a stage in allocation order): the allocation's node placement."""
+    locs = setting["locations"]
+    return [locs[v] for stage in setting["stages"] for v in stage]
+
+
+def _daemon_args(args, setting: dict, policy: str, locations: Sequence[str]):
+    def node_args(i: int) -> List[str]:
+        a = ["--train", "--model", "tiny", "--corpus", "shakespeare", "--iterations", str(args.warmup + args.iterations),
+             "--min-members", str(args.nodes), "--seed", str(args.seed), "--microbatch-size", str(args.samples),
+             "--seq-len", str(TINY_SEQ_LEN), "--microbatches", str(args.microbatches), "--memory-slots", str(args.memory),
+             "--threads", "1", "--checkpoint-every", "0", "--iteration-timeout", str(args.iteration_timeout_s),
+             "--agreement-timeout", str(args.start_timeout_s), "--log-level", "WARNING",
+             "--network-profile", str(args.profile), "--location", locations[i],
+             "--latency-scale", repr(setting["latency_scale"]), "--bandwidth-scale", repr(setting["bandwidth_scale"]),
+             "--hop-overhead-s", repr(setting["hop_overhead_s"]),
+             "--compute-s-per-sample-per-layer", repr(setting["compute_s_per_sample_per_layer"])]
+        if i == 0:  # run-level: only the founder's values count
+            a += ["--schedule-policy", policy, "--schedule-cost", "emulation", "--schedule-budget", str(args.budget_s)]
+        return a
+    return node_args
+
+
+def predict_epoch(schedule_json: dict, members: Sequence[str], location_of: Dict[str, str], setting: dict) -> float:
+    """Simulated microbatch phase of an adopted epoch on the emulated cost of its members."""
+    from scheduler.cost import CostParams, NodeSpec, build_cost
+    from scheduler.schedule import Schedule
+    from scheduler.simulator import simulate
+
+    compute = setting["compute_s_per_sample_per_layer"]
+    nodes = [NodeSpec(v, location_of[m], compute, schedule_json.get("memory", 3)) for v, m in enumerate(members)]
+    cost = build_cost(nodes, setting["emu_profile"], setting["shape"], CostParams(hop_overhead_s=setting["hop_overhead_s"]))
+    return simulate(Schedule.from_json(schedule_json), cost).iteration_time_s
+
+
+def _route_stages(schedule_json: dict) -> List[List[int]]:
+    stage_of = {v: k for k, nodes in enumerate(schedule_json["stages"]) for v in nodes}
+    return [[stage_of[v] for v in p["route"]] for p in schedule_json["paths"]]
+
+
+def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib.Path) -> dict:
+    """One fresh swarm of ``args.nodes`` daemons with ``--schedule-policy policy``; train, measure, stop."""
+    from node.errors import UserError
+    from node.local_swarm import LocalSwarm as DaemonSwarm
+    from node.rpc import call_http
+
+    locations = daemon_locations(setting)
+    stage_sizes = [len(s) for s in setting["stages"]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    swarm = DaemonSwarm(args.nodes, stage_sizes, base_dir=base / policy, run_id=f"{RUN_ID}-{policy}",
+                        heartbeat_s=DAEMON_HEARTBEAT_S, path_length=args.path_length,
+                        extra_args=_daemon_args(args, setting, policy, locations), env=env)
+    total = args.warmup + args.iterations
+    t0 = time.perf_counter()
+    done: Dict[int, dict] = {}
+    leftover: List[int] = []
+    try:
+        swarm.start(timeout=args.start_timeout_s)
+        ready_s = time.perf_counter() - t0
+        print(f"  {name}: {args.nodes} daemons ready in {ready_s:.0f} s (logs in {base / policy})", flush=True)
+        t_ready = time.monotonic()
+        last_report = None
+        while len(done) < len(swarm.nodes):
+            for node in swarm.nodes:
+                if not node.alive:
+                    raise UserError(f"daemon {node.index} (stage {node.stage}) exited: {swarm.last_error(node)}")
+            for node in swarm.nodes:
+                if node.index in done:
+                    continue
+                try:
+                    st = call_http(node.rpc_url, "training", {"limit": 1000}, timeout=10.0)
+                except Exception:  # noqa: BLE001 - a busy daemon answers next time
+                    continue
+                if st.get("state") == "error":
+                    raise UserError(f"training failed on daemon {node.index}: {st.get('error')}")
+                if st.get("state") == "done":
+                    done[node.index] = st
+                elif node.index == 0:
+                    report = (st.get("state"), st.get("epoch"), st.get("committed_iteration"))
+                    if report != last_report:
+                        last_report = report
+                        print(f"    daemon 0: state {report[0]}, epoch {report[1]}, committed iteration {report[2]} "
+                              f"({time.monotonic() - t_ready:.0f} s after ready)", flush=True)
+            if time.monotonic() - t_ready > args.run_timeout_s:
+                raise UserError(f"{name}: not done {args.run_timeout_s:.0f} s after the daemons were ready "
+                                f"({len(done)} of {len(swarm.nodes)} done); logs in {base / policy}")
+            if len(done) < len(swarm.nodes):
+                time.sleep(_POLL_S)
+        sched = call_http(swarm.nodes[0].rpc_url, "schedule", {}, timeout=10.0)
+        location_of = {n.peer_id: locations[n.index] for n in swarm.nodes}
+    finally:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            swarm.stop()
+            leftover = [pid for n in swarm.nodes for pid in n.group_pids()]
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    wall = time.perf_counter() - t0
+    epochs = {st.get("epoch") for st in done.values()}
+    if epochs != {sched["epoch"]}:
+        raise UserError(f"{name}: daemons trained on epochs {sorted(map(str, epochs))}, node 0 reports {sched['epoch']}")
+    histories = [st["history"] for st in done.values()]
+    start = min(h["iteration"] for hist in histories for h in hist)
+    its = list(range(start + args.warmup, start + total))
+    mb = [min(h["microbatch_s"] for hist in histories for h in hist if h["iteration"] == i) for i in its]
+    lead = done[0]["history"]
+    full = [next(h["seconds"] for h in lead if h["iteration"] == i) for i in its]
+    predicted = predict_epoch(sched["schedule"], sched["members"], location_of, setting)
+    routes = _route_stages(sched["schedule"])
+    print(f"  {name}: epoch {sched['epoch']} ({len(sched['schedule']['paths'])} paths, route lengths "
+          f"{sorted({len(r) for r in routes})}); iterations {', '.join(f'{x:.2f}' for x in mb)} s (microbatch phase); "
+          f"with averaging + norm exchange {statistics.fmean(full):.2f} s; {len(leftover)} processes left",
+          flush=True)
+    return {"iterations_s": mb, "mean_s": statistics.fmean(mb), "full_iteration_s": full,
+            "mean_full_iteration_s": statistics.fmean(full), "predicted_s": predicted,
+            "overcommits": sum(int(st.get("overcommits") or 0) for st in done.values()),
+            "daemons_ready_s": ready_s, "wall_s": wall, "leftover_processes": len(leftover),
+            "epoch": sched["epoch"], "epoch_schedule": sched["schedule"], "members": sched["members"],
+            "member_locations": [location_of[m] for m in sched["members"]],
+            "history_node0": lead}
+
+
+def run_daemons(args, setting: dict) -> Dict[str, dict]:
+    """The three policies on three fresh daemon swarms, one after another."""
+    import tempfile
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)  # so the finally blocks stop every daemon
+    results: Dict[str, dict] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="wan-daemons-") as tmp:
+            base = pathlib.Path(args.workdir) if args.workdir else pathlib.Path(tmp)
+            for policy, name in POLICIES:
+                results[name] = run_daemon_policy(args, setting, policy, name, base)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return results
 
 
@@ -226,6 +389,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=60.0, help="path scheduler cap (seconds)")
     p.add_argument("--deadlock-grace-s", type=float, default=30.0)
     p.add_argument("--iteration-timeout-s", type=float, default=300.0)
+    p.add_argument("--in-process", action="store_true",
+                   help="one in-process swarm (node.commands.up.LocalSwarm) instead of 20 daemons per policy")
+    p.add_argument("--start-timeout-s", type=float, default=240.0, help="daemons: seconds to come up / agree")
+    p.add_argument("--run-timeout-s", type=float, default=900.0, help="daemons: seconds per policy after ready")
+    p.add_argument("--workdir", default=None, help="daemons: keep their folders (logs) here instead of a temp dir")
     p.add_argument("--out", default=str(_ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -243,18 +411,26 @@ def main(argv=None) -> int:
           f"latency x{setting['latency_scale']:g}, bandwidth x{setting['bandwidth_scale']:.4f}, "
           f"hop overhead {setting['hop_overhead_s']:.4f} s, activation {setting['activation_bytes']} B")
     print(f"  allocation: {setting['stages']} (deterministic searches: {setting['deterministic']})")
-    print("  swarm: in-process harness (real hivemind P2P + DHT per node, one Python process), not daemons",
-          flush=True)
-    live = asyncio.run(run_live(args, setting))
-    startup = live.pop("_startup_s")["value"]
+    if args.in_process:
+        harness = "in-process LocalSwarm (real hivemind P2P + DHT per node, one process), epochs switched on one swarm"
+        print("  swarm: in-process harness (real hivemind P2P + DHT per node, one Python process)", flush=True)
+        live = asyncio.run(run_live(args, setting))
+        startup = live.pop("_startup_s")["value"]
+    else:
+        harness = (f"{args.nodes} skippipe node run --train daemons per policy (node.local_swarm.LocalSwarm), one fresh "
+                   "swarm per --schedule-policy, schedules by the swarm's coordinator (--schedule-cost emulation)")
+        print(f"  swarm: {harness}; daemon locations {daemon_locations(setting)}", flush=True)
+        live = run_daemons(args, setting)
+        startup = statistics.fmean(r["daemons_ready_s"] for r in live.values())
     rows = []
     print(f"{'schedule':<16}{'measured s/it':>14}{'predicted':>11}{'error':>9}{'vs full':>9}{'+avg/norm s/it':>16}")
-    full_m, full_p = live[names[0]]["mean_s"], setting["predicted"][names[0]]
+    full_m, full_p = live[names[0]]["mean_s"], live[names[0]]["predicted_s"]
     for name in names:
-        m, p = live[name]["mean_s"], setting["predicted"][name]
+        m, p = live[name]["mean_s"], live[name]["predicted_s"]
         err = (m - p) / p * 100
-        rows.append({"schedule": name, "measured_s": m, "predicted_s": p, "error_pct": err,
-                     "measured_vs_full": m / full_m, "predicted_vs_full": p / full_p, **live[name]})
+        rows.append({**live[name], "schedule": name, "measured_s": m, "predicted_s": p, "error_pct": err,
+                     "measured_vs_full": m / full_m, "predicted_vs_full": p / full_p,
+                     "planned_here_predicted_s": setting["predicted"][name]})
         print(f"{name:<16}{m:>14.2f}{p:>11.2f}{err:>+8.1f}%{m / full_m:>9.3f}{live[name]['mean_full_iteration_s']:>16.2f}")
     sk = rows[-1]
     print(f"SkipPipe / full: measured {sk['measured_vs_full']:.3f}, predicted {sk['predicted_vs_full']:.3f} "
@@ -263,19 +439,21 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "setting": {k: v for k, v in vars(args).items()},
-        "harness": "in-process LocalSwarm (real hivemind P2P + DHT per node, one process)",
+        "harness": harness,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
         "compute_s_per_sample_per_layer": setting["compute_s_per_sample_per_layer"],
         "bandwidth_scale": setting["bandwidth_scale"], "latency_scale": setting["latency_scale"],
         "hop_overhead_s": setting["hop_overhead_s"], "activation_bytes": setting["activation_bytes"],
         "locations": setting["locations"], "stages": setting["stages"], "startup_s": startup,
+        "daemon_locations": None if args.in_process else daemon_locations(setting),
         "deterministic_schedules": setting["deterministic"],
-        "schedules": {k: s.to_json() for k, s in setting["schedules"].items()}, "results": rows,
+        "schedules_planned_here": {k: s.to_json() for k, s in setting["schedules"].items()}, "results": rows,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     (out / "wan.json").write_text(json.dumps(result, indent=1, default=str))
     plotted = plot(out / "wan.png", names, [r["measured_s"] for r in rows], [r["predicted_s"] for r in rows],
-                   f"20 nodes, geo-distributed profile (time x{args.time_scale:g}), in-process swarm")
+                   f"{args.nodes} nodes, geo-distributed profile (time x{args.time_scale:g}), "
+                   + ("in-process swarm" if args.in_process else "daemons"))
     print(f"wrote {out / 'wan.json'}" + (f" and {out / 'wan.png'}" if plotted else ""))
     return 0
 

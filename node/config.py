@@ -63,6 +63,9 @@ class DaemonConfig:
     num_stages: int | None = None
     path_length: int | None = None
     microbatches_per_data_node: int = 2
+    #: Run-level schedule policy and emulated cost table (new swarm only; see coordinator.RunConfig).
+    schedule_policy: str = "skippipe"
+    location_cost: dict | None = None
     memory_slots: int = DEFAULT_MEMORY_SLOTS
     host_maddrs: tuple[str, ...] = DEFAULT_HOST_MADDRS
     announce_maddrs: tuple[str, ...] = ()

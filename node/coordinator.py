@@ -24,7 +24,8 @@ from typing import Awaitable, Callable
 from node.identity import NodeIdentity, verify_rsa_signature
 from node.swarm_view import PeerEntry, SwarmView
 from protocol.messages import ScheduleEpoch
-from scheduler.cost import ModelShape, cost_from_measurements
+from scheduler.baselines import full_pipeline, random_skip
+from scheduler.cost import CostMatrix, ModelShape, cost_from_measurements
 from scheduler.errors import ScheduleError
 from scheduler.paths import schedule_paths
 from scheduler.schedule import Schedule
@@ -48,13 +49,41 @@ class RunConfig:
     num_stages: int
     path_length: int
     microbatches_per_data_node: int
+    #: How epochs route microbatches: "skippipe" (scheduler.paths), "full" (aligned full pipelines,
+    #: scheduler.baselines.full_pipeline) or "random" (network-blind skipping, baselines.random_skip).
+    schedule_policy: str = "skippipe"
+    #: Cost by location for emulated runs (their link probes measure loopback, not the emulated
+    #: links): {"locations": [...], "compute_s": [...], "link_s": [[...]]}; None = measurements.
+    location_cost: dict | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> "RunConfig":
-        return cls(int(data["num_stages"]), int(data["path_length"]), int(data["microbatches_per_data_node"]))
+        policy = str(data.get("schedule_policy") or "skippipe")
+        location_cost = data.get("location_cost")
+        return cls(int(data["num_stages"]), int(data["path_length"]), int(data["microbatches_per_data_node"]),
+                   policy, dict(location_cost) if isinstance(location_cost, dict) else None)
+
+    def expected_microbatches(self) -> int | None:
+        """Microbatches each data node must dispatch (None: the policy decides, as "full" does)."""
+        return None if self.schedule_policy == "full" else self.microbatches_per_data_node
+
+    def cost_by_location(self, locations: list) -> CostMatrix | None:
+        """The cost matrix of nodes at ``locations`` from ``location_cost``; None without one or
+        when a location is not in it (the coordinator then uses the measurements)."""
+        table = self.location_cost
+        if not table:
+            return None
+        try:
+            where = {loc: i for i, loc in enumerate(table["locations"])}
+            idx = [where[loc] for loc in locations]
+            link = [[0.0 if u == v else float(table["link_s"][a][b]) for v, b in enumerate(idx)]
+                    for u, a in enumerate(idx)]
+            return CostMatrix(tuple(float(table["compute_s"][a]) for a in idx), tuple(map(tuple, link)))
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
 
 
 def assign_stages(peers: list[PeerEntry], num_stages: int) -> dict[str, int]:
@@ -114,6 +143,7 @@ class Coordinator:
         budget_s: float,
         publish: Callable[[ScheduleEpoch], Awaitable[None]],
         on_adopt: Callable[[ScheduleEpoch], None],
+        progress: Callable[[], int | None] | None = None,
     ):
         self.run_id = run_id
         self.identity = identity
@@ -126,6 +156,8 @@ class Coordinator:
         self.budget_s = budget_s
         self._publish = publish
         self._on_adopt = on_adopt
+        #: first iteration a new epoch may start at (the local trainer's view), None if not training
+        self._progress = progress
         self.current: ScheduleEpoch | None = None
         self.status = "waiting for members"
         self._pending: dict[tuple[int, str], ScheduleEpoch] = {}
@@ -190,18 +222,19 @@ class Coordinator:
             loop = asyncio.get_running_loop()
 
             def _compute() -> dict:
-                cost = cost_from_measurements(compute, latency, bandwidth, ModelShape())
+                cost = self.run.cost_by_location([entries[p].advert.location for p in members])
+                if cost is None:
+                    cost = cost_from_measurements(compute, latency, bandwidth, ModelShape())
                 path_length = min(self.run.path_length, self.run.num_stages)
-                schedule = schedule_paths(
-                    stages,
-                    cost,
-                    path_length,
-                    self.run.microbatches_per_data_node,
-                    self.memory,
-                    seed=number,
-                    budget_s=self.budget_s,
-                )
-                validate_schedule(schedule, microbatches_per_data_node=self.run.microbatches_per_data_node)
+                mb, policy = self.run.microbatches_per_data_node, self.run.schedule_policy
+                if policy == "full":
+                    schedule = full_pipeline(stages, cost, mb, self.memory)
+                elif policy == "random":
+                    schedule = random_skip(stages, cost, path_length, mb, self.memory, seed=number)
+                else:
+                    schedule = schedule_paths(stages, cost, path_length, mb, self.memory, seed=number,
+                                              budget_s=self.budget_s)
+                validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())
                 return schedule.to_json()
 
             try:
@@ -218,6 +251,7 @@ class Coordinator:
                 members=members,
                 schedule=schedule_json,
                 signature=b"",
+                start_iteration=self.start_iteration(),
             )
             epoch = dataclasses.replace(unsigned, signature=self.identity.sign(unsigned.signing_payload()))
             self.epochs_issued += 1
@@ -227,6 +261,19 @@ class Coordinator:
             return epoch
         finally:
             self._computing = False
+
+    def start_iteration(self) -> int:
+        """Iteration boundary at which a new epoch takes effect on every member.
+
+        The local trainer knows the earliest boundary no member has crossed yet (members are at
+        most one iteration apart); never earlier than an epoch already announced but not started,
+        so a quick second membership change does not pull the switch forward. 0 = not training yet.
+        """
+        start = self._progress() if self._progress is not None else None
+        if start is None:
+            return 0
+        pending = self.current.start_iteration if self.current is not None else 0
+        return max(int(start), int(pending))
 
     def _link_matrices(self, members: tuple[str, ...]) -> tuple[list[list[float]], list[list[float]]]:
         n = len(members)
@@ -259,7 +306,7 @@ class Coordinator:
             return self._park(epoch, f"unknown members {unknown[:3]}")
         try:
             schedule = Schedule.from_json(epoch.schedule)
-            validate_schedule(schedule, microbatches_per_data_node=self.run.microbatches_per_data_node)
+            validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())
             if any(v >= len(epoch.members) for stage in schedule.stages for v in stage):
                 raise ScheduleError("members", "schedule names a node index without a member")
         except (ScheduleError, KeyError, TypeError, ValueError) as e:

@@ -50,7 +50,7 @@ from multiaddr import Multiaddr
 
 from node.access import HELLO_PROOF_PARAM, SwarmAccess, load_allowlist, load_swarm_key
 from node.config import DaemonConfig
-from node.coordinator import Coordinator, RunConfig
+from node.coordinator import DEFAULT_BANDWIDTH_Bps, Coordinator, RunConfig
 from node.dashboard import dashboard_html
 from node.dht_adverts import AdvertStore, make_record_validators
 from node.errors import UserError
@@ -86,6 +86,8 @@ TTL_STORE_MARGIN = 3.0
 JOINING_HEARTBEATS = 1
 #: Seconds a DRAINING node waits so peers see the state before it leaves.
 DRAIN_GRACE_S = 0.5
+#: How long a service gets to stop unless it says otherwise (``stop_timeout_s``).
+SERVICE_STOP_TIMEOUT_S = 10.0
 #: Seconds hivemind gives the DHT process to exit on its own (it is killed after that anyway).
 DHT_GRACEFUL_SHUTDOWN_S = 1.0
 #: Seconds to wait for the forked DHT process to exit before it is killed.
@@ -206,6 +208,8 @@ class Daemon:
         self.on_schedule_epoch: list[Callable[[ScheduleEpoch], Any]] = []
         #: Set whenever a new epoch is adopted; consumers clear it after reading current_epoch.
         self.epoch_changed = asyncio.Event()
+        #: set by a training service: the first iteration a new schedule epoch may start at
+        self.training_progress: Callable[[], int | None] | None = None
         self.started_at = time.time()
         self._lock = IdentityLock(config.identity_path)
         self._tasks: list[asyncio.Task] = []
@@ -395,6 +399,7 @@ class Daemon:
             budget_s=cfg.schedule_budget_s,
             publish=self._publish_epoch,
             on_adopt=self._on_adopt,
+            progress=lambda: self.training_progress() if self.training_progress is not None else None,
         )
         await self._announce()
         await self._refresh_view()
@@ -423,7 +428,9 @@ class Daemon:
                     await asyncio.sleep(DRAIN_GRACE_S)
             for service in reversed(self.services):
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(service.stop(), timeout=10.0)
+                    # a trainer drains (finishes its iterations until a new epoch leaves it out)
+                    timeout = float(getattr(service, "stop_timeout_s", SERVICE_STOP_TIMEOUT_S)) + 5.0
+                    await asyncio.wait_for(service.stop(), timeout=timeout)
             for task in self._tasks:
                 task.cancel()
             for task in self._tasks:
@@ -510,7 +517,7 @@ class Daemon:
             raise UserError(f"--path-length must be between 1 and the number of stages ({num_stages})")
         if cfg.microbatches_per_data_node < 1:
             raise UserError("--microbatches must be at least 1")
-        return RunConfig(num_stages, path_length, cfg.microbatches_per_data_node)
+        return RunConfig(num_stages, path_length, cfg.microbatches_per_data_node, cfg.schedule_policy, cfg.location_cost)
 
     async def _handshake(self, initial_ids: list[PeerID]) -> RunConfig:
         """Ask an initial peer which run it serves; refuse a wrong run id or protocol version."""
@@ -874,7 +881,29 @@ class Daemon:
                 "gossip_dropped_from": dict(self.gossip_dropped_from.most_common(STATUS_DROPPED_SENDERS)),
             },
             "coordinator_status": self.coordinator.status if self.coordinator else None,
+            "missing_stages": self.missing_stages(),
         }
+
+    def missing_stages(self) -> list[int]:
+        """Stages of the run that no live (ONLINE or DRAINING) peer of our view holds."""
+        if self.run is None or self.view is None:
+            return []
+        held = {s for e in self.view.alive() if e.state in ("ONLINE", "DRAINING") for s in e.advert.stages}
+        return [s for s in range(self.run.num_stages) if s not in held]
+
+    def peer_alive(self, peer_id: str) -> bool:
+        """Membership as the view sees it: an unexpired advert that does not say OFFLINE."""
+        if peer_id == self.peer_id:
+            return True
+        entry = self.view.get(peer_id) if self.view is not None else None
+        return entry is not None and entry.state != "OFFLINE"
+
+    def link_estimate(self, a: str, b: str) -> tuple[float, float] | None:
+        """(one-way latency s, bandwidth B/s) of a measured link, for deadlines; None if unmeasured."""
+        stat = self.view.link(a, b) if self.view is not None else None
+        if stat is None:
+            return None
+        return stat.rtt_ms / 2000.0, float(stat.bandwidth_Bps or DEFAULT_BANDWIDTH_Bps)
 
     async def _rpc_status(self, params: dict) -> dict:
         return self.status_json()

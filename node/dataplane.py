@@ -56,10 +56,15 @@ class _Outgoing:
 class DataPlane:
     """Send/receive data-plane messages for one node over its hivemind ``P2P``."""
 
-    def __init__(self, p2p, run_id: str, on_message: MessageHandler, emulator=None):
-        """``emulator``: optional :class:`node.link_emulation.LinkEmulator`; None (default) = no emulation."""
+    def __init__(self, p2p, run_id: str, on_message: MessageHandler, emulator=None,
+                 allow: Optional[Callable[[str], bool]] = None, metrics=None, guard=None):
+        """``emulator``: optional :class:`node.link_emulation.LinkEmulator`; None (default) = no emulation.
+        ``allow(peer)``: swarm access control; frames from a peer it refuses are dropped unread."""
         self.p2p = p2p
         self.emulator = emulator
+        self.allow = allow
+        self.metrics = metrics
+        self.guard = guard
         self.name = handler_name(run_id)
         self.peer_id = str(p2p.peer_id)
         self._on_message = on_message
@@ -81,6 +86,10 @@ class DataPlane:
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hivemind = import_hivemind()
         sender = str(stream_info.peer_id)
+        if self.allow is not None and not self.allow(sender):
+            logger.warning("data-plane stream from %s refused: peer not allowed", sender[-8:])
+            writer.close()
+            return
         task = asyncio.current_task()
         self._handler_tasks.add(task)
         try:

@@ -262,6 +262,7 @@ class TrainerNode:
         self._starts: Deque[Tuple[int, int, Tuple[str, ...]]] = collections.deque()
         self._targets: Dict[MbKey, torch.Tensor] = {}
         self._pending: Dict[int, _Pending] = {}  # data node: microbatch index -> its live attempt
+        self._offered: Dict[int, object] = {}  # epoch number -> adopted epoch not applied yet
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -488,13 +489,26 @@ class TrainerNode:
                 group_size=len(group), cfg=self.cfg.averaging)
             await self.averager.start()
 
+    def offer_epoch(self, epoch) -> None:
+        """Remember an adopted epoch: a newer one may arrive before this one's start iteration, and
+        every member must still switch to this one at its boundary."""
+        if epoch is not None and epoch.run_id == self.cfg.run_id:
+            self._offered[int(epoch.epoch)] = epoch
+
+    def _due_epoch(self):
+        """The newest known epoch whose start iteration has been reached, if newer than ours."""
+        self.offer_epoch(self._current_epoch())
+        due = [e for n, e in self._offered.items() if n > self.epoch.epoch
+               and int(getattr(e, "start_iteration", 0)) <= self.current_iteration]
+        for n in [n for n in self._offered if n <= self.epoch.epoch]:
+            del self._offered[n]
+        return max(due, key=lambda e: e.epoch) if due else None
+
     async def _maybe_switch_epoch(self) -> None:
         """Apply the newest schedule epoch once its start iteration is reached (same stage only)."""
-        epoch = self._current_epoch()
-        if epoch is None or epoch.epoch == self.epoch.epoch:
-            return
-        if int(getattr(epoch, "start_iteration", 0)) > self.current_iteration:
-            return  # announced for a later boundary: every member switches there, not earlier
+        epoch = self._due_epoch()
+        if epoch is None:
+            return  # nothing new, or announced for a later boundary: every member switches there
         if self.peer_id not in epoch.members:
             raise LeftSchedule(f"schedule epoch {epoch.epoch} (from iteration {self.current_iteration}) "
                                "does not include this node")
@@ -1163,6 +1177,16 @@ class TrainerNode:
         self._executor.shutdown(wait=True)
 
 
+def _kill_own_process_group() -> None:
+    """Injected kill inside a daemon: die like a machine losing power, p2pd and DHT child included."""
+    import os
+    import signal
+
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _mb_name(mb) -> str:
     return f"mb {mb.data_node[-6:]}/{mb.iteration}/{mb.index}.{mb.attempt}"
 
@@ -1222,14 +1246,19 @@ class TrainerService:
     def __init__(self, config: TrainerConfig, iterations: int, *, node_name: Optional[str] = None,
                  on_iteration: Optional[Callable[[IterationStats], None]] = None, poll_s: float = 0.5,
                  min_members: int = 1, start_debounce_s: Optional[float] = None,
-                 agreement_timeout_s: float = 600.0, threads: Optional[int] = None, emulation=None):
+                 agreement_timeout_s: float = 600.0, threads: Optional[int] = None, emulation=None,
+                 faults=None, drain_timeout_s: float = 60.0):
         self.emulation = emulation  # optional node.emulation_args.EmulationSettings (peer locations: daemon view)
+        self.faults = faults  # optional node.faults.FaultInjector (--inject)
+        #: SIGTERM: how long this node keeps training until an epoch without it starts, before leaving anyway
+        self.drain_timeout_s = drain_timeout_s
         self.config, self.iterations = config, iterations
         self.node_name, self.on_iteration, self.poll_s = node_name, on_iteration, poll_s
         self.min_members, self.start_debounce_s = max(1, int(min_members)), start_debounce_s
         self.agreement_timeout_s, self.threads = agreement_timeout_s, threads
         self.trainer: Optional[TrainerNode] = None
-        self.stop_timeout_s = 6.0  # how long stop() lets the current iteration finish (the daemon allows 10 s)
+        self.stop_grace_s = 6.0  # how long stop() lets the current iteration finish after draining
+        self.stop_timeout_s = self.drain_timeout_s + self.stop_grace_s  # the daemon waits this long for stop()
         self.done = asyncio.Event()
         self.error: Optional[BaseException] = None
         self.state = "waiting"
@@ -1249,7 +1278,20 @@ class TrainerService:
             self.config = replace(self.config, model=replace(self.config.model, n_stages=run.num_stages).validate())
         if hasattr(daemon, "register_rpc"):
             daemon.register_rpc("training", self._rpc_training)
+        daemon.training_progress = self.switch_iteration
+        if hasattr(daemon, "on_schedule_epoch"):
+            daemon.on_schedule_epoch.append(self._offer_epoch)
         self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
+
+    def switch_iteration(self) -> Optional[int]:
+        """For the coordinator: the iteration a new epoch should start at (None before training)."""
+        if self.state in ("training", "paused") and self.trainer is not None:
+            return self.trainer.switch_iteration()
+        return None
+
+    def _offer_epoch(self, epoch) -> None:
+        if self.trainer is not None:
+            self.trainer.offer_epoch(epoch)
 
     @property
     def debounce_s(self) -> float:
@@ -1266,7 +1308,8 @@ class TrainerService:
             number = epoch.epoch if epoch is not None else None
             if number != seen:
                 seen, since = number, time.monotonic()
-            if epoch is not None and me in epoch.members and len(epoch.members) >= self.min_members:
+            joining = epoch is not None and int(getattr(epoch, "start_iteration", 0)) > 0
+            if epoch is not None and me in epoch.members and (joining or len(epoch.members) >= self.min_members):
                 if time.monotonic() - since >= self.debounce_s:
                     return epoch
             elif epoch is not None and said != number:
@@ -1334,18 +1377,36 @@ class TrainerService:
             for peer in epoch.members:
                 if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
                     logger.warning("cannot connect to schedule member %s yet", peer[-8:])
-            self.trainer = TrainerNode(p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=epoch,
-                                       config=self.config, node_name=self.node_name, on_iteration=self._on_iteration,
-                                       emulation=self._emulation(daemon))
+            join_at = int(getattr(epoch, "start_iteration", 0)) or None
+            pinned = epoch
+
+            def epoch_source():
+                return daemon.current_epoch or pinned
+
+            self.trainer = TrainerNode(
+                p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=lambda: pinned, config=self.config,
+                node_name=self.node_name, on_iteration=self._on_iteration, emulation=self._emulation(daemon),
+                alive=getattr(daemon, "peer_alive", None), faults=self.faults, on_kill=_kill_own_process_group,
+                link_estimate=getattr(daemon, "link_estimate", None), allow=getattr(daemon, "is_peer_allowed", None),
+                metrics=getattr(daemon, "metrics", None), join_at=join_at)
+            summary = training_summary(self.config, self.iterations)
+            if join_at is not None:
+                await self._check_joining_config(summary)
+                logger.info("joining the run in progress at iteration %d (epoch %d)", join_at, epoch.epoch)
             await self.trainer.setup()
+            self.trainer._epoch_source = epoch_source  # from now on: follow the daemon's adopted epochs
             self.start_iteration = self.trainer.current_iteration
-            await self._confirm(epoch, training_summary(self.config, self.iterations), self.start_iteration)
+            if join_at is None:
+                await self._confirm(epoch, summary, self.start_iteration)
             self.state = "training"
             logger.info("training stage %d from iteration %d to %d", self.trainer.stage, self.start_iteration,
                         self.iterations)
             await self.trainer.run(self.iterations)
             await self.trainer.save_checkpoint()
-            self.state = "done" if self.trainer.current_iteration >= self.iterations else "stopped"
+            if self.trainer.left is not None:
+                self.state = "left"
+            else:
+                self.state = "done" if self.trainer.current_iteration >= self.iterations else "stopped"
             logger.info("training %s at iteration %d", self.state, self.trainer.committed_iteration)
         except asyncio.CancelledError:
             self.state = "stopped"
@@ -1358,6 +1419,32 @@ class TrainerService:
             self.error, self.state = e, "error"
         finally:
             self.done.set()
+
+    def _drain_pointless(self) -> Optional[str]:
+        """Why no epoch without us will come (so waiting for one is pointless), or None."""
+        view = getattr(self.daemon, "view", None)
+        if view is None or self.trainer is None or self.trainer.runtime is None:
+            return "no swarm view"
+        me = str(self.daemon.peer_id)
+        online = [e for e in view.online() if e.peer_id != me]
+        if not any(self.trainer.stage in e.advert.stages for e in online):
+            return f"no other ONLINE node holds stage {self.trainer.stage}"
+        if not any(0 in e.advert.stages for e in online):
+            return "no other ONLINE data node to coordinate"
+        return None
+
+    async def _check_joining_config(self, summary: dict) -> None:
+        """A joiner skips the start barrier, but must still train with the run's hyper-parameters."""
+        res = await self.daemon.dht.get(start_key(self.config.run_id), latest=True, return_future=True)
+        if res is None or not isinstance(res.value, dict):
+            return
+        for peer, v in res.value.items():
+            if str(peer) != str(self.daemon.peer_id) and isinstance(v.value, dict) and v.value.get("config"):
+                diff = summary_differences(summary, v.value["config"])
+                if diff:
+                    raise TrainingDisagreement(f"training configuration differs from {str(peer)[-8:]}: "
+                                               + "; ".join(diff))
+                return
 
     def _emulation(self, daemon):
         if self.emulation is None:
@@ -1376,11 +1463,20 @@ class TrainerService:
 
         t = self.trainer
         history = [asdict(s) for s in (t.history if t is not None else []) if s.iteration > since][-limit:]
+        state = self.state
+        if state == "training" and t is not None and t.paused_reason:
+            state = "paused"
         return {
             "peer_id": str(getattr(self.daemon, "peer_id", "")),
             "node_name": self.node_name,
-            "state": self.state,
+            "state": state,
             "error": str(self.error) if self.error is not None else None,
+            "paused": t.paused_reason if t is not None else None,
+            "left": t.left if t is not None else None,
+            "draining": bool(t.draining) if t is not None else False,
+            "recovery": ({"reroutes": t.reroutes, "skips": t.skips, "resyncs": t.resyncs,
+                          "retried": sum(s.retried for s in t.history), "dropped": sum(s.dropped for s in t.history)}
+                         if t is not None else None),
             "epoch": self.epoch.epoch if self.epoch is not None else None,
             "members": len(self.epoch.members) if self.epoch is not None else None,
             "min_members": self.min_members,
@@ -1394,11 +1490,25 @@ class TrainerService:
         }
 
     async def stop(self) -> None:
+        """Graceful leave: keep training until an epoch without this node starts (the coordinator
+        issues one once our advert says DRAINING), so no in-flight microbatch is lost; after
+        ``drain_timeout_s`` finish the current iteration and leave anyway."""
+        if self.trainer is not None and self.state == "training" and self._task is not None and not self._task.done():
+            self.trainer.draining = True
+            logger.info("draining: training on until a schedule epoch without this node starts "
+                        "(at most %.0f s)", self.drain_timeout_s)
+            deadline = time.monotonic() + self.drain_timeout_s
+            while not self._task.done() and time.monotonic() < deadline:
+                reason = self._drain_pointless()
+                if reason:
+                    logger.info("not draining: %s", reason)
+                    break
+                await asyncio.wait([self._task], timeout=0.5)
         if self.trainer is not None:
             self.trainer.request_stop()
         if self._task is not None and not self._task.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self._task), timeout=self.stop_timeout_s)
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=self.stop_grace_s)
             except (asyncio.TimeoutError, Exception):
                 self._task.cancel()
                 with contextlib.suppress(BaseException):

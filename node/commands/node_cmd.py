@@ -10,8 +10,10 @@ from pathlib import Path
 from node.config import DEFAULT_HEARTBEAT_S, DEFAULT_HOST_MADDRS, DEFAULT_MEMORY_SLOTS, DEFAULT_RUN_ID, DaemonConfig, default_identity_path
 from node.errors import UserError
 
-__all__ = ["register", "add_node_run_arguments", "config_from_args"]
+__all__ = ["register", "add_node_run_arguments", "config_from_args", "emulated_location_cost", "SCHEDULE_POLICIES"]
 
+#: Values of --schedule-policy (RunConfig.schedule_policy).
+SCHEDULE_POLICIES = ("skippipe", "full", "random")
 #: hivemind logs at INFO by default; the daemon's own INFO lines are what an operator wants.
 HIVEMIND_LOG_LEVEL = "WARNING"
 
@@ -37,6 +39,15 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-stages", type=int, help="stages of the run (new swarm only; default max(--stages)+1, at least 2)")
     p.add_argument("--path-length", type=int, help="stages each microbatch visits, stage 0 included (new swarm; default all)")
     p.add_argument("--microbatches", type=int, default=2, help="microbatches per data node per iteration (new swarm)")
+    p.add_argument("--schedule-policy", default="skippipe", metavar="POLICY",
+                   help="how epochs route microbatches (new swarm): skippipe (default), full (aligned full "
+                        "pipelines, no skipping) or random (network-blind skipping); baselines for benchmarks")
+    p.add_argument("--schedule-cost", default="measured", metavar="SOURCE",
+                   help="what the coordinator schedules for (new swarm): measured (link probes, default) or "
+                        "emulation (the --network-profile links and --compute-s-per-sample-per-layer this run "
+                        "emulates, by each member's --location; link probes are not emulated)")
+    p.add_argument("--schedule-budget", type=float, default=None, metavar="S",
+                   help="seconds the coordinator's path search may take per epoch (default 1)")
     p.add_argument("--memory-slots", type=int, default=DEFAULT_MEMORY_SLOTS, help="in-flight microbatches this node accepts")
     p.add_argument("--host-maddrs", nargs="+", default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
                    help="where p2pd listens (default %(default)s)")
@@ -65,6 +76,42 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-access-handshake", action="store_true", help=argparse.SUPPRESS)
 
 
+def emulated_location_cost(args: argparse.Namespace) -> dict | None:
+    """``RunConfig.location_cost`` for ``--schedule-cost emulation``: per location, the emulated
+    forward seconds per microbatch and, per ordered pair of locations, latency + activation bytes /
+    bandwidth + hop overhead, exactly as :mod:`node.link_emulation` delays them (scaled profile, the
+    trainer's model and microbatch shape). None for ``measured``."""
+    source = getattr(args, "schedule_cost", "measured")
+    if source == "measured":
+        return None
+    if source != "emulation":
+        raise UserError(f"--schedule-cost must be measured or emulation, got {source!r}")
+    from node.emulation_args import emulation_from_args
+
+    settings = emulation_from_args(args, require_location=False)
+    if settings is None or settings.network_profile is None or settings.compute_s_per_sample_per_layer is None:
+        raise UserError("--schedule-cost emulation needs --network-profile and --compute-s-per-sample-per-layer")
+    from node.model import model_config
+    from scheduler.cost import GIB, ModelShape, activation_bytes, transfer_time_s
+
+    profile = settings.load_profile()
+    model = getattr(args, "model", "tiny")
+    mcfg = model_config(model)
+    seq_len = getattr(args, "seq_len", None) or (min(mcfg.context, 64) if model == "tiny" else mcfg.context)
+    shape = ModelShape(layers_per_stage=mcfg.layers_per_stage, d_model=mcfg.d_model, seq_len=seq_len,
+                       samples_per_microbatch=getattr(args, "microbatch_size", 8), bytes_per_element=4)
+    nbytes = activation_bytes(shape)
+    locs = list(profile.locations)
+
+    def link_s(a: str, b: str) -> float:
+        lk = profile.link(a, b)
+        return transfer_time_s(lk.latency_ms * settings.latency_scale, lk.bandwidth_GiBps * GIB * settings.bandwidth_scale,
+                               nbytes, settings.hop_overhead_s)
+
+    forward = settings.compute_s_per_sample_per_layer * shape.layers_per_stage * shape.samples_per_microbatch
+    return {"locations": locs, "compute_s": [forward] * len(locs), "link_s": [[link_s(a, b) for b in locs] for a in locs]}
+
+
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     if args.heartbeat <= 0:
         raise UserError("--heartbeat must be positive")
@@ -78,6 +125,13 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         limits = dict(rpc_rate_per_s=args.rpc_rate, rpc_burst=burst, http_rate_per_s=args.rpc_rate, http_burst=burst)
     elif args.rpc_burst is not None:
         limits = dict(rpc_burst=args.rpc_burst, http_burst=args.rpc_burst)
+    policy = getattr(args, "schedule_policy", "skippipe")
+    if policy not in SCHEDULE_POLICIES:
+        raise UserError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {policy!r}")
+    budget = getattr(args, "schedule_budget", None)
+    if budget is not None and budget <= 0:
+        raise UserError("--schedule-budget must be positive")
+    location_cost = emulated_location_cost(args)
     if args.device == "cuda":
         import torch
 
@@ -91,6 +145,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         num_stages=args.num_stages,
         path_length=args.path_length,
         microbatches_per_data_node=args.microbatches,
+        schedule_policy=policy,
+        location_cost=location_cost,
+        **({"schedule_budget_s": budget} if budget is not None else {}),
         memory_slots=args.memory_slots,
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
