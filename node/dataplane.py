@@ -12,20 +12,51 @@ that must not block (the trainer enqueues it), so the sender is never stalled by
 WAN emulation (off unless a :class:`node.link_emulation.LinkEmulator` is passed): before a frame
 to a peer is written, the sender waits until the emulated link would have delivered it (latency +
 bytes / bandwidth, concurrent sends to one peer serialised), so the receiver never sees it earlier.
+
+Hostile input (any peer may open a stream to our handler): a frame passes, in this order,
+
+1. the swarm allowlist (``allow(peer)``; checked when the stream opens and again per frame, so a
+   peer removed mid-run loses its persistent stream),
+2. a size cap read from the 8-byte length header *before* the body is read (``guard.max_frame_bytes``,
+   else :data:`MAX_FRAME_BYTES`); an oversized frame closes that stream, because the rest of it
+   cannot be skipped without reading it (an honest sender just reopens a stream on its next send),
+3. a per-peer frame-rate token bucket (:class:`node.ratelimit.PeerRateLimiter`, the RPC's limiter),
+   checked before decoding, so a flood costs us a read and a dictionary lookup per frame,
+4. the wire decoder (only data-plane message types),
+5. the guard's semantic checks (:class:`node.dataplane_guard.MicrobatchGuard`).
+
+A refused frame is counted in :attr:`DataPlane.rejected` (and ``metrics.count_rejected``), logged
+with its peer and reason (the first time per peer and reason, then every
+:data:`REJECT_LOG_EVERY`-th time, so a flood cannot flood the log) and never reaches
+``on_message``. Every stream has its own handler task and nothing a frame holds can escape it, so
+one peer's garbage never disturbs another peer's stream. Messages to ourselves skip all of this.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, Optional, Tuple
 
 from node.compat import import_hivemind
+from node.ratelimit import PeerRateLimiter
 from protocol import ProtocolError, decode, encode
 from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone
 
-__all__ = ["DataPlane", "DataPlaneError", "MessageHandler", "DATA_MESSAGES", "handler_name"]
+__all__ = [
+    "DataPlane",
+    "DataPlaneError",
+    "MessageHandler",
+    "DATA_MESSAGES",
+    "handler_name",
+    "MAX_FRAME_BYTES",
+    "DEFAULT_FRAME_RATE_PER_S",
+    "DEFAULT_FRAME_BURST",
+    "REJECT_LOG_EVERY",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +66,23 @@ DATA_MESSAGES = (ActivationMessage, GradientMessage, IterationDone, HopFailure)
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 #: How many times a send opens a fresh stream after the current one broke.
 SEND_RETRIES = 1
+#: Frames per second one peer may send us, sustained. An honest neighbour sends one activation and
+#: one gradient per microbatch it passes us, plus a few control messages per iteration; even a
+#: tiny model on a fast GPU with dozens of microbatches per iteration stays far below this.
+DEFAULT_FRAME_RATE_PER_S = 200.0
+#: Frames one peer may send at once: a whole iteration's worth of a neighbour's microbatches can
+#: arrive back to back (memory slots of a few microbatches, several data nodes) without a drop.
+DEFAULT_FRAME_BURST = 256.0
+#: A refused frame is logged the first time per (peer, reason), then every this many times.
+REJECT_LOG_EVERY = 100
+#: (peer, reason) pairs whose counts are kept for log throttling; the table is reset beyond it.
+_MAX_LOG_KEYS = 4096
+#: Rejection reasons decided here (the guard adds its own, see node.dataplane_guard.REASONS).
+NOT_ALLOWED = "not_allowed"
+OVERSIZED = "oversized"
+RATE_LIMITED = "rate_limited"
+UNDECODABLE = "undecodable"
+GUARD_ERROR = "guard_error"
 
 MessageHandler = Callable[[object, str], Optional[Awaitable[None]]]
 
@@ -57,9 +105,15 @@ class DataPlane:
     """Send/receive data-plane messages for one node over its hivemind ``P2P``."""
 
     def __init__(self, p2p, run_id: str, on_message: MessageHandler, emulator=None,
-                 allow: Optional[Callable[[str], bool]] = None, metrics=None, guard=None):
+                 allow: Optional[Callable[[str], bool]] = None, metrics=None, guard=None,
+                 frame_rate_per_s: Optional[float] = DEFAULT_FRAME_RATE_PER_S,
+                 frame_burst: float = DEFAULT_FRAME_BURST):
         """``emulator``: optional :class:`node.link_emulation.LinkEmulator`; None (default) = no emulation.
-        ``allow(peer)``: swarm access control; frames from a peer it refuses are dropped unread."""
+        ``allow(peer)``: swarm access control; frames from a peer it refuses are dropped unread.
+        ``metrics``: optional :class:`node.metrics.NodeMetrics` (hops, bytes and rejections are counted).
+        ``guard``: optional :class:`node.dataplane_guard.MicrobatchGuard` (its ``max_frame_bytes``
+        replaces :data:`MAX_FRAME_BYTES`). ``frame_rate_per_s``/``frame_burst``: per-peer token
+        bucket on received frames; ``frame_rate_per_s=None`` turns it off."""
         self.p2p = p2p
         self.emulator = emulator
         self.allow = allow
@@ -73,6 +127,13 @@ class DataPlane:
         self._started = False
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.limiter: Optional[PeerRateLimiter] = (
+            None if frame_rate_per_s is None else PeerRateLimiter(frame_rate_per_s, frame_burst))
+        guard_cap = getattr(guard, "max_frame_bytes", None)
+        self.max_frame_bytes = int(guard_cap) if guard_cap else MAX_FRAME_BYTES
+        #: refused frames (and refused streams, for ``not_allowed``) by reason
+        self.rejected: collections.Counter = collections.Counter()
+        self._reject_counts: Dict[Tuple[str, str], int] = {}
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.name, self._handle_stream)
@@ -83,28 +144,98 @@ class DataPlane:
         if asyncio.iscoroutine(result):
             await result
 
+    def _reject(self, sender: str, reason: str, detail: str) -> None:
+        """Count one refused frame, and log it unless this peer already said the same many times."""
+        self.rejected[reason] += 1
+        if self.metrics is not None:
+            try:
+                self.metrics.count_rejected(reason)
+            except Exception:  # noqa: BLE001 - metrics must never break the data plane
+                logger.debug("count_rejected failed", exc_info=True)
+        key = (sender, reason)
+        if key not in self._reject_counts and len(self._reject_counts) >= _MAX_LOG_KEYS:
+            self._reject_counts.clear()
+        n = self._reject_counts[key] = self._reject_counts.get(key, 0) + 1
+        if n == 1 or n % REJECT_LOG_EVERY == 0:
+            logger.warning("data plane: refused frame from %s: %s (%s)%s", sender[-8:], reason, detail,
+                           f" [{n} so far]" if n > 1 else "")
+
+    def _record_hop(self, peer: str, msg: object, nbytes: int, direction: str, seconds: Optional[float]) -> None:
+        if self.metrics is None or not isinstance(msg, (ActivationMessage, GradientMessage)):
+            return
+        try:
+            self.metrics.record_hop(peer, seconds, nbytes, direction)
+        except Exception:  # noqa: BLE001
+            logger.debug("record_hop failed", exc_info=True)
+
+    def _inspect(self, msg: object, sender: str) -> Tuple[Optional[str], str]:
+        """(reason, detail) from the guard; (None, "") = accepted. A guard that raises refuses the frame."""
+        try:
+            inspect = getattr(self.guard, "inspect", None)
+            if inspect is None:
+                return self.guard.check(msg, sender), type(msg).__name__
+            rejection = inspect(msg, sender)
+            return (None, "") if rejection is None else (rejection.reason, rejection.detail)
+        except Exception as e:  # noqa: BLE001 - a guard bug must not end the stream (nor let the frame in)
+            logger.debug("data-plane guard failed", exc_info=True)
+            return GUARD_ERROR, f"guard raised {e!r}"[:200]
+
+    async def _read_frame(self, reader: asyncio.StreamReader, header_len: int, byteorder: str,
+                          sender: str) -> Optional[bytes]:
+        """The next frame's body, or None when the stream ended or was refused (caller closes it)."""
+        try:
+            header = await reader.readexactly(header_len)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None  # the peer closed its stream
+        length = int.from_bytes(header, byteorder)
+        if length > self.max_frame_bytes:
+            self._reject(sender, OVERSIZED, f"{length} bytes > cap {self.max_frame_bytes}; closing the stream")
+            return None
+        try:
+            return await reader.readexactly(length)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hivemind = import_hivemind()
+        header_len, byteorder = hivemind.p2p.P2P.HEADER_LEN, hivemind.p2p.P2P.BYTEORDER
         sender = str(stream_info.peer_id)
         if self.allow is not None and not self.allow(sender):
-            logger.warning("data-plane stream from %s refused: peer not allowed", sender[-8:])
+            self._reject(sender, NOT_ALLOWED, "peer not allowed; stream refused")
             writer.close()
             return
         task = asyncio.current_task()
         self._handler_tasks.add(task)
         try:
             while True:
-                try:
-                    data = await hivemind.p2p.P2P.receive_raw_data(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return  # the peer closed its stream
+                data = await self._read_frame(reader, header_len, byteorder, sender)
+                if data is None:
+                    return
                 self.bytes_received += len(data)
-                try:
-                    msg = decode(data, max_bytes=MAX_FRAME_BYTES, expect=DATA_MESSAGES)
-                except ProtocolError as e:
-                    logger.warning("dropping undecodable frame from %s: %s", sender[-8:], e)
+                if self.allow is not None and not self.allow(sender):
+                    self._reject(sender, NOT_ALLOWED, "peer no longer allowed; stream closed")
+                    return
+                if self.limiter is not None and not self.limiter.allow(sender):
+                    self._reject(sender, RATE_LIMITED, f"more than {self.limiter.rate_per_s:g} frames/s "
+                                                       f"(burst {self.limiter.burst:g})")
                     continue
-                await self._deliver(msg, sender)
+                try:
+                    msg = decode(data, max_bytes=self.max_frame_bytes, expect=DATA_MESSAGES)
+                except ProtocolError as e:
+                    self._reject(sender, UNDECODABLE, str(e)[:200])
+                    continue
+                if self.guard is not None:
+                    reason, detail = self._inspect(msg, sender)
+                    if reason is not None:
+                        self._reject(sender, reason, detail)
+                        continue
+                self._record_hop(sender, msg, len(data), "in", None)
+                try:
+                    await self._deliver(msg, sender)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - one bad message must not end this peer's stream
+                    logger.exception("data plane: handling %s from %s failed", type(msg).__name__, sender[-8:])
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -120,6 +251,7 @@ class DataPlane:
             return
         hivemind = import_hivemind()
         data = encode(msg)
+        t0 = time.monotonic()
         if self.emulator is not None:
             # reserve the emulated link now (in send order), wait out its delivery time, then write
             await self.emulator.transmit(peer, len(data))
@@ -132,6 +264,7 @@ class DataPlane:
                             hivemind.p2p.PeerID.from_base58(peer), self.name)
                     await hivemind.p2p.P2P.send_raw_data(data, out.writer)
                     self.bytes_sent += len(data)
+                    self._record_hop(peer, msg, len(data), "out", time.monotonic() - t0)
                     return
                 except Exception as e:
                     if out.writer is not None:

@@ -71,6 +71,8 @@ class LocalNode:
     args: list[str]
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
+    #: joins with ``--auto`` (the daemon picks the neediest stage) instead of ``--stages stage``
+    auto: bool = False
 
     @property
     def identity_path(self) -> Path:
@@ -148,7 +150,7 @@ class LocalSwarm:
         args = [
             self.python, "-m", "node", "node", "run",
             "--run-id", self.run_id,
-            "--stages", str(node.stage),
+            *(["--auto"] if node.auto else ["--stages", str(node.stage)]),
             "--num-stages", str(len(self.stage_sizes)),
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--identity", str(node.identity_path),
@@ -200,6 +202,19 @@ class LocalSwarm:
         finally:
             log.close()
 
+    def add_node(self, stage: int | None = None, timeout: float = DEFAULT_START_TIMEOUT_S, wait: bool = True) -> LocalNode:
+        """Start one more daemon that joins the running swarm (mid-training joins, chaos tests).
+
+        ``stage=None`` joins with ``--auto``; its stage is then read from its ready file."""
+        index = len(self.nodes)
+        node = LocalNode(index=index, stage=-1 if stage is None else stage, workdir=self.base_dir / f"node{index}",
+                         args=[], auto=stage is None)
+        self.nodes.append(node)
+        self.spawn(node, [self._any_live_maddr(node)])
+        if wait:
+            self.wait_ready([node], timeout)
+        return node
+
     def _any_live_maddr(self, joining: LocalNode) -> str:
         for node in self.nodes:
             if node is not joining and node.alive and node.info:
@@ -214,6 +229,8 @@ class LocalSwarm:
                 if node.ready_file.exists():
                     try:
                         node.info = json.loads(node.ready_file.read_text())
+                        if node.auto and node.info.get("stages"):
+                            node.stage = int(node.info["stages"][0])
                         pending.remove(node)
                         continue
                     except (OSError, ValueError):

@@ -75,6 +75,12 @@ class NodeMetrics:
         self.gossip_dropped = Counter(
             f"{_PREFIX}_gossip_dropped", "Gossip messages dropped, by reason", ["reason"], registry=r
         )
+        self.dataplane_rejected = Counter(
+            f"{_PREFIX}_dataplane_rejected",
+            "Data-plane frames or streams refused, by reason (no peer label: a hostile peer picks its id)",
+            ["reason"],
+            registry=r,
+        )
         self.info = Gauge(f"{_PREFIX}_node_info", "Constant 1, labelled with this node's peer id", ["peer_id"], registry=r)
         if peer_id:
             self.info.labels(peer_id=peer_id).set(1)
@@ -109,6 +115,10 @@ class NodeMetrics:
     def count_failure(self, kind: str) -> None:
         """A failure of ``kind`` (e.g. ``"hop_timeout"``, ``"peer_lost"``, ``"nan_loss"``)."""
         self.failures.labels(kind=kind).inc()
+
+    def count_rejected(self, reason: str) -> None:
+        """The data plane refused a frame (or a stream) for ``reason`` (e.g. ``"non_finite"``, ``"rate_limited"``)."""
+        self.dataplane_rejected.labels(reason=reason).inc()
 
     def count_reroute(self, n: int = 1) -> None:
         self.reroutes.inc(n)

@@ -413,7 +413,8 @@ class TrainerNode:
         d, m = self.cfg.data, self.cfg.model
 
         def position():
-            return frozenset({self.epoch.epoch}), self.current_iteration
+            # newer epochs pass: a neighbour may switch at an iteration boundary before we do
+            return self.epoch.epoch, self.current_iteration
 
         try:
             return MicrobatchGuard(run_id=self.cfg.run_id, hidden_shape=(d.microbatch_size, d.seq_len, m.d_model),
@@ -1477,8 +1478,12 @@ class TrainerService:
             "recovery": ({"reroutes": t.reroutes, "skips": t.skips, "resyncs": t.resyncs,
                           "retried": sum(s.retried for s in t.history), "dropped": sum(s.dropped for s in t.history)}
                          if t is not None else None),
-            "epoch": self.epoch.epoch if self.epoch is not None else None,
-            "members": len(self.epoch.members) if self.epoch is not None else None,
+            # the epoch training runs on now (it changes at iteration boundaries), else the pinned one
+            "epoch": (t.epoch.epoch if t is not None and getattr(t, "epoch", None) is not None
+                      else self.epoch.epoch if self.epoch is not None else None),
+            "members": (len(t.members) if t is not None and getattr(t, "members", None) is not None
+                        else len(self.epoch.members) if self.epoch is not None else None),
+            "pinned_epoch": self.epoch.epoch if self.epoch is not None else None,
             "min_members": self.min_members,
             "stage": t.stage if t is not None and t.runtime is not None else None,
             "is_data_node": bool(t.is_data_node) if t is not None and t.runtime is not None else None,

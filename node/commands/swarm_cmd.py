@@ -86,6 +86,9 @@ def format_status(data: dict) -> str:
         f"  schedule: epoch {sc.get('epoch')} ({sc.get('status')})"
         + (f" by {_short(sc.get('coordinator'))}" if sc.get("epoch") is not None else ""),
     ]
+    if st.get("missing_stages"):
+        lines.append(f"  MISSING STAGES: {st['missing_stages']} have no live replica: training pauses until a node "
+                     "holding them (or its checkpoint) returns")
     tr = data.get("training")
     if tr:
         last = (tr.get("history") or [None])[-1]
@@ -95,6 +98,13 @@ def format_status(data: dict) -> str:
             f"/{tr.get('iterations')}"
             + (f", loss {last['loss']:.4f}, {last['seconds']:.2f} s/it, {last['active_nodes']} nodes" if last else "")
             + (f" — error: {tr['error']}" if tr.get("error") else ""))
+        if tr.get("paused"):
+            lines.append(f"  paused: {tr['paused']}")
+        if tr.get("draining"):
+            lines.append("  draining: training on until a schedule epoch without this node starts")
+        rec = tr.get("recovery") or {}
+        if any(rec.values()):
+            lines.append("  recovery: " + ", ".join(f"{k} {v}" for k, v in rec.items()))
     lines.append("")
     me = st["peer_id"]
     links = {(l["src"], l["dst"]): l for l in sw.get("links", [])}

@@ -45,6 +45,13 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the schedule epoch must stay current before training pins it (default 3 heartbeats)")
     g.add_argument("--agreement-timeout", type=float, default=600.0,
                    help="seconds to wait for every member of the pinned epoch to confirm it")
+    g.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                   help="on SIGTERM keep training until a schedule epoch without this node starts, at most "
+                        "this long, so no in-flight microbatch is lost (default %(default)s)")
+    g.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                   help="fault injection for rehearsals and tests (repeatable): "
+                        "ACTION@iteration=I[,hop=J][,direction=forward|backward][,microbatch=M][,delay=S][,times=N] "
+                        "with ACTION drop, delay or kill, e.g. kill@iteration=3,hop=2,direction=backward")
     add_emulation_arguments(p, location=False)  # node run has its own --location (advertised to peers)
 
 
@@ -66,6 +73,11 @@ def training_services_from_args(args: argparse.Namespace) -> list:
         raise UserError("--lr must be positive")
     if args.iteration_timeout <= 0 or args.agreement_timeout <= 0:
         raise UserError("--iteration-timeout and --agreement-timeout must be positive")
+    if getattr(args, "drain_timeout", 60.0) < 0:
+        raise UserError("--drain-timeout must be >= 0")
+    from node.faults import FaultInjector, parse_fault
+
+    faults = FaultInjector([parse_fault(spec) for spec in getattr(args, "inject", None) or []]) or None
 
     from node.data import DataConfig
     from node.model import model_config
@@ -91,4 +103,5 @@ def training_services_from_args(args: argparse.Namespace) -> list:
     )
     return [TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
                            start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,
-                           threads=args.threads, emulation=emulation_from_args(args))]
+                           threads=args.threads, emulation=emulation_from_args(args), faults=faults,
+                           drain_timeout_s=float(getattr(args, "drain_timeout", 60.0)))]

@@ -1,0 +1,98 @@
+"""Chaos on real daemons: SIGKILL half of the non-data nodes at random moments, then add two.
+
+Twelve ``skippipe node run --train`` daemons (2 data nodes; stages 1-4 with 3, 3, 2, 2 replicas)
+train a tiny model with skipping paths (path length 4 of 5 stages). A seeded random plan kills 5
+of the 10 non-data nodes (each whole process group, like a machine losing power) at random
+moments during training, never the last replica of a stage; two fresh daemons then join with
+``--auto``. Training must go on: the data nodes commit every iteration exactly once and in
+order (no committed step lost, none repeated), the loss falls, every survivor finishes.
+
+The victims and moments come from ``random.Random(SEED)``, so a failure reproduces; the test
+reports them in its assertion messages.
+"""
+
+import random
+import signal
+import time
+
+import pytest
+
+from node.local_swarm import LocalSwarm
+from tests.faults.daemon_helpers import contiguous, train_args, training_state, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+SEED = 7
+ITERATIONS = 24
+SIZES = [2, 3, 3, 2, 2]
+KILLS = 5  # 50% of the 10 non-data nodes
+
+
+def _kill_plan(rng: random.Random, sizes, kills: int):
+    """Victims (node indices), never the last replica of a stage, in a random order."""
+    stage_nodes, start = [], 0
+    for size in sizes:
+        stage_nodes.append(list(range(start, start + size)))
+        start += size
+    alive = {s: list(nodes) for s, nodes in enumerate(stage_nodes) if s > 0}
+    victims = []
+    while len(victims) < kills:
+        stage = rng.choice([s for s, nodes in alive.items() if len(nodes) > 1])
+        victim = rng.choice(alive[stage])
+        alive[stage].remove(victim)
+        victims.append(victim)
+    return victims
+
+
+def _data_committed(swarm) -> int:
+    states = [training_state(swarm.nodes[i], limit=1) for i in (0, 1)]
+    return min((s.get("committed_iteration") or -1) if s else -1 for s in states)
+
+
+def test_kill_half_the_stage_nodes_then_add_two(tmp_path):
+    rng = random.Random(SEED)
+    victims = _kill_plan(rng, SIZES, KILLS)
+    # a kill lands 0.3-3 s after the data nodes commit the iteration it is planned for
+    moments = sorted(rng.sample(range(2, ITERATIONS // 2), KILLS))
+    delays = [rng.uniform(0.3, 3.0) for _ in victims]
+    plan = list(zip(moments, victims, delays))
+    swarm = LocalSwarm(
+        sum(SIZES), SIZES, base_dir=tmp_path / "swarm", run_id="chaos", heartbeat_s=1.0, path_length=4,
+        extra_args=lambda i: train_args(ITERATIONS, sum(SIZES), "--drain-timeout", "5"))
+    log = []
+    try:
+        swarm.start(timeout=300)
+        wait_for(swarm, range(len(swarm.nodes)), lambda s: s.get("state") == "training", 600, "training to start",
+                 poll_s=2.0)
+        for at, victim, delay in plan:
+            deadline = time.monotonic() + 400
+            while _data_committed(swarm) < at:
+                assert time.monotonic() < deadline, f"no progress to iteration {at}; plan {plan}; done {log}"
+                assert swarm.nodes[0].alive and swarm.nodes[1].alive, "a data node died"
+                time.sleep(0.2)
+            time.sleep(delay)
+            swarm.kill(victim, signal.SIGKILL)
+            log.append((victim, _data_committed(swarm)))
+        fresh = [swarm.add_node(stage=None, timeout=300).index for _ in range(2)]
+        joined = wait_for(swarm, fresh, lambda s: s.get("state") in ("training", "done")
+                          and s.get("start_iteration") is not None, 600, "the fresh nodes to train", poll_s=2.0)
+        survivors = [n.index for n in swarm.nodes if n.alive]
+        done = wait_for(swarm, survivors, lambda s: s.get("state") == "done", 900, "training to finish", poll_s=2.0)
+    finally:
+        swarm.stop()
+
+    context = f"plan (iteration, victim, delay) {plan}; killed at {log}"
+    assert sorted(set(survivors)) == sorted(set(range(len(swarm.nodes))) - set(victims)), context
+    for i in (0, 1):
+        its = [h["iteration"] for h in done[i]["history"]]
+        assert its == list(range(ITERATIONS)), f"data node {i} committed {its}; {context}"
+    for i in survivors:
+        its = [h["iteration"] for h in done[i]["history"]]
+        assert contiguous(its) and its[-1] == ITERATIONS - 1, (i, its, context)
+    for i in fresh:
+        assert joined[i]["start_iteration"] > 0, context
+        assert done[i]["history"], f"fresh node {i} committed nothing; {context}"
+    losses = [h["loss"] for h in done[0]["history"]]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first, f"loss did not fall: {losses}; {context}"
+    assert done[0]["members"] >= sum(SIZES) - KILLS, context

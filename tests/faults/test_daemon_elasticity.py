@@ -1,0 +1,95 @@
+"""Elastic membership on real daemons: a node joins mid-training, another leaves gracefully.
+
+Six ``skippipe node run --train`` daemons (2 data nodes, stage 1 x2, stage 2 x1, stage 3 x1) train
+a tiny model. While they train:
+
+1. a seventh daemon joins with ``--auto``: it must pick the least-replicated stage (2), be put in a
+   new schedule epoch that starts at a later iteration boundary, download that stage's weights and
+   optimizer state from the live replica, and commit every iteration from its join point on;
+2. one stage-1 replica gets SIGTERM: it must drain (train on until an epoch without it starts),
+   leave with exit code 0, and the rest must go on without losing a committed step.
+
+Checked at the end: every data node committed iterations 0..N-1 exactly once and in order, the
+joiner's parameters equal its stage's other replica's (same state + same averaged steps), and
+the loss fell.
+"""
+
+import signal
+import time
+
+import pytest
+import torch
+
+from node.checkpoint import CheckpointStore
+from node.commands.swarm_cmd import fetch_status, format_status
+from node.local_swarm import LocalSwarm
+from tests.faults.daemon_helpers import contiguous, train_args, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ITERATIONS = 16
+
+
+def test_join_with_state_download_then_graceful_leave(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    swarm = LocalSwarm(
+        6, [2, 2, 1, 1], base_dir=tmp_path / "swarm", run_id="elastic", heartbeat_s=1.0,
+        extra_args=lambda i: train_args(ITERATIONS, 6, "--checkpoint-dir", str(ckpt), "--node-name", f"node{i}"))
+    try:
+        swarm.start(timeout=240)
+        first = wait_for(swarm, range(6), lambda s: s.get("state") == "training"
+                         and (s.get("committed_iteration") or -1) >= 1, 400, "training to start")
+        epoch0 = first[0]["epoch"]
+
+        # 1. join with --auto: stage 2 has the fewest replicas
+        joiner = swarm.add_node(stage=None, timeout=240)
+        assert joiner.stage == 2, f"--auto picked stage {joiner.stage}"
+        j = joiner.index
+        joined = wait_for(swarm, [j], lambda s: s.get("state") == "training"
+                          and s.get("committed_iteration") is not None
+                          and s["committed_iteration"] >= (s.get("start_iteration") or 0) + 1,
+                          400, "the joiner to commit an iteration")[j]
+        assert joined["start_iteration"] > 1, "the joiner must start mid-run, at a later iteration boundary"
+        assert joined["epoch"] > epoch0 and joined["members"] == 7
+        others = wait_for(swarm, range(6), lambda s: s.get("epoch") == joined["epoch"], 120,
+                          "every member to switch to the joiner's epoch")
+        assert {s["members"] for s in others.values()} == {7}
+
+        # 2. graceful leave of a stage-1 replica (its stage keeps node 2)
+        leaver = swarm.nodes[3]
+        swarm.kill(3, signal.SIGTERM)
+        leaver.proc.wait(timeout=200)
+        assert leaver.proc.returncode == 0, swarm.last_error(leaver)
+        log = leaver.log_path.read_text(errors="replace")
+        assert "draining" in log and "leaves training" in log, log[-2000:]
+        assert "Traceback" not in log, log[-3000:]
+
+        live = [i for i in range(len(swarm.nodes)) if i != 3]
+        done = wait_for(swarm, live, lambda s: s.get("state") == "done", 600, "training to finish")
+        shown = format_status(fetch_status(swarm.nodes[0].rpc_url, None, 10))
+    finally:
+        swarm.stop()
+
+    for i in (0, 1):  # data nodes: every iteration committed exactly once, in order
+        its = [h["iteration"] for h in done[i]["history"]]
+        assert its == list(range(ITERATIONS)), (i, its)
+    hist = done[j]["history"]
+    assert contiguous([h["iteration"] for h in hist]) and hist[-1]["iteration"] == ITERATIONS - 1
+    assert hist[0]["iteration"] == joined["start_iteration"]
+    assert done[0]["epoch"] > joined["epoch"], "no epoch without the leaver was adopted"
+    assert done[0]["members"] == 6
+    losses = [h["loss"] for h in done[0]["history"]]
+    assert losses[-1] < losses[0], losses
+    assert "training: done" in shown
+
+    # the joiner trained the same stage state as the replica it downloaded from
+    mine = CheckpointStore(ckpt, "elastic", 2, f"node{j}").load()
+    theirs = CheckpointStore(ckpt, "elastic", 2, "node4").load()
+    assert mine.iteration == theirs.iteration == ITERATIONS - 1
+    worst = max(float((a - b).abs().max()) for a, b in zip(_params(mine.state), _params(theirs.state)))
+    assert worst <= 1e-6, f"joiner and replica differ by {worst:.3g}"
+
+
+def _params(state: dict):
+    model = state.get("model", state)
+    return [v for _, v in sorted(model.items()) if isinstance(v, torch.Tensor)]
