@@ -56,6 +56,7 @@ __all__ = [
     "DEFAULT_FRAME_RATE_PER_S",
     "DEFAULT_FRAME_BURST",
     "REJECT_LOG_EVERY",
+    "MAX_STREAMS_PER_PEER",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ DEFAULT_FRAME_RATE_PER_S = 200.0
 DEFAULT_FRAME_BURST = 256.0
 #: A refused frame is logged the first time per (peer, reason), then every this many times.
 REJECT_LOG_EVERY = 100
+#: Open incoming streams one peer may hold at once. An honest neighbour keeps one persistent
+#: stream to us (briefly two while it replaces a broken one); each stream may buffer a frame of up
+#: to the size cap, so the count bounds the memory one peer can tie up.
+MAX_STREAMS_PER_PEER = 8
 #: (peer, reason) pairs whose counts are kept for log throttling; the table is reset beyond it.
 _MAX_LOG_KEYS = 4096
 #: Rejection reasons decided here (the guard adds its own, see node.dataplane_guard.REASONS).
@@ -83,6 +88,7 @@ OVERSIZED = "oversized"
 RATE_LIMITED = "rate_limited"
 UNDECODABLE = "undecodable"
 GUARD_ERROR = "guard_error"
+TOO_MANY_STREAMS = "too_many_streams"
 
 MessageHandler = Callable[[object, str], Optional[Awaitable[None]]]
 
@@ -107,13 +113,14 @@ class DataPlane:
     def __init__(self, p2p, run_id: str, on_message: MessageHandler, emulator=None,
                  allow: Optional[Callable[[str], bool]] = None, metrics=None, guard=None,
                  frame_rate_per_s: Optional[float] = DEFAULT_FRAME_RATE_PER_S,
-                 frame_burst: float = DEFAULT_FRAME_BURST):
+                 frame_burst: float = DEFAULT_FRAME_BURST, max_streams_per_peer: int = MAX_STREAMS_PER_PEER):
         """``emulator``: optional :class:`node.link_emulation.LinkEmulator`; None (default) = no emulation.
         ``allow(peer)``: swarm access control; frames from a peer it refuses are dropped unread.
         ``metrics``: optional :class:`node.metrics.NodeMetrics` (hops, bytes and rejections are counted).
         ``guard``: optional :class:`node.dataplane_guard.MicrobatchGuard` (its ``max_frame_bytes``
         replaces :data:`MAX_FRAME_BYTES`). ``frame_rate_per_s``/``frame_burst``: per-peer token
-        bucket on received frames; ``frame_rate_per_s=None`` turns it off."""
+        bucket on received frames; ``frame_rate_per_s=None`` turns it off. ``max_streams_per_peer``:
+        incoming streams one peer may hold open at once (more are refused)."""
         self.p2p = p2p
         self.emulator = emulator
         self.allow = allow
@@ -134,6 +141,8 @@ class DataPlane:
         #: refused frames (and refused streams, for ``not_allowed``) by reason
         self.rejected: collections.Counter = collections.Counter()
         self._reject_counts: Dict[Tuple[str, str], int] = {}
+        self.max_streams_per_peer = max_streams_per_peer
+        self._streams: collections.Counter = collections.Counter()  # open incoming streams per peer
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.name, self._handle_stream)
@@ -152,13 +161,18 @@ class DataPlane:
                 self.metrics.count_rejected(reason)
             except Exception:  # noqa: BLE001 - metrics must never break the data plane
                 logger.debug("count_rejected failed", exc_info=True)
-        key = (sender, reason)
+        n = self._occurrence(sender, reason)
+        if n is not None:
+            logger.warning("data plane: refused frame from %s: %s (%s)%s", sender[-8:], reason, detail,
+                           f" [{n} so far]" if n > 1 else "")
+
+    def _occurrence(self, sender: str, what: str) -> Optional[int]:
+        """How often ``sender`` did ``what`` so far, when that is worth a log line (first, every Nth), else None."""
+        key = (sender, what)
         if key not in self._reject_counts and len(self._reject_counts) >= _MAX_LOG_KEYS:
             self._reject_counts.clear()
         n = self._reject_counts[key] = self._reject_counts.get(key, 0) + 1
-        if n == 1 or n % REJECT_LOG_EVERY == 0:
-            logger.warning("data plane: refused frame from %s: %s (%s)%s", sender[-8:], reason, detail,
-                           f" [{n} so far]" if n > 1 else "")
+        return n if n == 1 or n % REJECT_LOG_EVERY == 0 else None
 
     def _record_hop(self, peer: str, msg: object, nbytes: int, direction: str, seconds: Optional[float]) -> None:
         if self.metrics is None or not isinstance(msg, (ActivationMessage, GradientMessage)):
@@ -204,8 +218,13 @@ class DataPlane:
             self._reject(sender, NOT_ALLOWED, "peer not allowed; stream refused")
             writer.close()
             return
+        if self._streams[sender] >= self.max_streams_per_peer:
+            self._reject(sender, TOO_MANY_STREAMS, f"{self._streams[sender]} streams already open; stream refused")
+            writer.close()
+            return
         task = asyncio.current_task()
         self._handler_tasks.add(task)
+        self._streams[sender] += 1
         try:
             while True:
                 data = await self._read_frame(reader, header_len, byteorder, sender)
@@ -235,13 +254,17 @@ class DataPlane:
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # noqa: BLE001 - one bad message must not end this peer's stream
-                    logger.exception("data plane: handling %s from %s failed", type(msg).__name__, sender[-8:])
+                    if self._occurrence(sender, "handler_error") is not None:
+                        logger.exception("data plane: handling %s from %s failed", type(msg).__name__, sender[-8:])
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("data-plane stream from %s failed", sender[-8:])
         finally:
             self._handler_tasks.discard(task)
+            self._streams[sender] -= 1
+            if self._streams[sender] <= 0:
+                del self._streams[sender]
             writer.close()
 
     async def send(self, peer: str, msg: object) -> None:
