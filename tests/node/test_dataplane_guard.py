@@ -445,3 +445,36 @@ async def test_a_failing_handler_does_not_end_the_stream():
     finally:
         await _shutdown(plane, honest, r, g)
     assert got == [0, 1]
+
+
+async def test_one_peer_cannot_hold_more_than_its_share_of_streams():
+    (r, h), _ = await _peers(2)
+    hivemind = import_hivemind()
+    rx = Receiver(r, max_streams_per_peer=3)
+    await rx.plane.start()
+    H, R = str(h.peer_id), rx.id
+    writers = []
+    try:
+        for i in range(5):
+            _, _, w = await h.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(R), rx.plane.name)
+            writers.append(w)
+            try:
+                await hivemind.p2p.P2P.send_raw_data(encode(_act(H, R, i)), w)
+            except Exception:  # noqa: BLE001 - a refused stream may be reset under us
+                pass
+            # one stream at a time, so which ones are refused does not depend on scheduling
+            await _until(lambda: len(rx.indices(H)) + rx.plane.rejected["too_many_streams"] == i + 1,
+                         f"stream {i} to be served or refused")
+        assert rx.indices(H) == [0, 1, 2]
+        assert rx.plane.rejected["too_many_streams"] == 2
+        writers.pop(0).close()  # a stream ends: the peer may open another
+        await _until(lambda: rx.plane._streams[H] < 3, "the closed stream's handler to end")
+        _, _, w = await h.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(R), rx.plane.name)
+        writers.append(w)
+        await hivemind.p2p.P2P.send_raw_data(encode(_act(H, R, 9)), w)
+        await _until(lambda: 9 in rx.indices(H), "the frame on the new stream")
+    finally:
+        for w in writers:
+            w.close()
+        await _shutdown(rx.plane, r, h)
+    assert rx.indices(H) == [0, 1, 2, 9]
