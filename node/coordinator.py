@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 #: Link assumptions for pairs nobody has measured yet (the scheduler's same-location default).
 DEFAULT_LATENCY_MS = 1.0
 DEFAULT_BANDWIDTH_Bps = 2.0 * 2**30
+#: Seconds of training between announcing an epoch that adds a node and its first iteration: the
+#: joiner's adoption (a gossip hop), its stage build and its state download (seconds on a LAN, tens
+#: on a loaded box or a slow link) fit in it, so the swarm rarely waits for the joiner.
+DEFAULT_JOIN_LEAD_S = 20.0
 #: How many unadopted epochs a node keeps to re-check once its view catches up.
 MAX_PENDING_EPOCHS = 8
 
@@ -143,7 +147,8 @@ class Coordinator:
         budget_s: float,
         publish: Callable[[ScheduleEpoch], Awaitable[None]],
         on_adopt: Callable[[ScheduleEpoch], None],
-        progress: Callable[[], int | None] | None = None,
+        progress: Callable[[float], int | None] | None = None,
+        join_lead_s: float = DEFAULT_JOIN_LEAD_S,
     ):
         self.run_id = run_id
         self.identity = identity
@@ -158,6 +163,7 @@ class Coordinator:
         self._on_adopt = on_adopt
         #: first iteration a new epoch may start at (the local trainer's view), None if not training
         self._progress = progress
+        self.join_lead_s = join_lead_s
         self.current: ScheduleEpoch | None = None
         self.status = "waiting for members"
         self._pending: dict[tuple[int, str], ScheduleEpoch] = {}
@@ -251,7 +257,7 @@ class Coordinator:
                 members=members,
                 schedule=schedule_json,
                 signature=b"",
-                start_iteration=self.start_iteration(),
+                start_iteration=self.start_iteration(members),
             )
             epoch = dataclasses.replace(unsigned, signature=self.identity.sign(unsigned.signing_payload()))
             self.epochs_issued += 1
@@ -262,14 +268,20 @@ class Coordinator:
         finally:
             self._computing = False
 
-    def start_iteration(self) -> int:
+    def start_iteration(self, members: tuple[str, ...] = ()) -> int:
         """Iteration boundary at which a new epoch takes effect on every member.
 
         The local trainer knows the earliest boundary no member has crossed yet (members are at
         most one iteration apart); never earlier than an epoch already announced but not started,
-        so a quick second membership change does not pull the switch forward. 0 = not training yet.
+        so a quick second membership change does not pull the switch forward. When ``members``
+        adds peers that are not in the current epoch, the boundary is at least ``join_lead_s``
+        of training ahead: a joiner must adopt the epoch and download its stage's state of the
+        iteration before it, and the swarm waits for its gradient norm at the boundary.
+        0 = not training yet.
         """
-        start = self._progress() if self._progress is not None else None
+        joining = self.current is not None and bool(set(members) - set(self.current.members))
+        lead_s = self.join_lead_s if joining else 0.0
+        start = self._progress(lead_s) if self._progress is not None else None
         if start is None:
             return 0
         pending = self.current.start_iteration if self.current is not None else 0

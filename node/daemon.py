@@ -55,8 +55,15 @@ from node.dashboard import dashboard_html
 from node.dht_adverts import AdvertStore, make_record_validators
 from node.errors import UserError
 from node.gossip import GossipMessage, GossipService
-from node.identity import IdentityLock, NodeIdentity, load_or_create_gossip_key, load_or_create_identity
+from node.identity import (
+    IdentityLock,
+    NodeIdentity,
+    load_or_create_gossip_key,
+    load_or_create_identity,
+    verify_rsa_signature,
+)
 from node.metrics import METRICS_CONTENT_TYPE, NodeMetrics
+from node.p2pd_session import own_session
 from node.ratelimit import PeerRateLimiter
 from node.rpc import CALLER_PARAM, HttpReply, RpcCallError, RpcServer, call_p2p
 from node.swarm_view import SwarmView
@@ -209,7 +216,7 @@ class Daemon:
         #: Set whenever a new epoch is adopted; consumers clear it after reading current_epoch.
         self.epoch_changed = asyncio.Event()
         #: set by a training service: the first iteration a new schedule epoch may start at
-        self.training_progress: Callable[[], int | None] | None = None
+        self.training_progress: Callable[[float], int | None] | None = None
         self.started_at = time.time()
         self._lock = IdentityLock(config.identity_path)
         self._tasks: list[asyncio.Task] = []
@@ -336,13 +343,14 @@ class Daemon:
         self.compute_s_per_sample_per_layer = await loop.run_in_executor(None, measure_compute_speed, cfg.device)
 
         try:
-            self.p2p = await P2P.create(
-                initial_peers=list(cfg.initial_peers) or None,
-                host_maddrs=list(cfg.host_maddrs),
-                announce_maddrs=list(cfg.announce_maddrs) or None,
-                identity_path=str(cfg.identity_path),
-                check_if_identity_free=bool(cfg.initial_peers),
-            )
+            with own_session():  # Ctrl+C / group signals reach the daemon, not p2pd (node.p2pd_session)
+                self.p2p = await P2P.create(
+                    initial_peers=list(cfg.initial_peers) or None,
+                    host_maddrs=list(cfg.host_maddrs),
+                    announce_maddrs=list(cfg.announce_maddrs) or None,
+                    identity_path=str(cfg.identity_path),
+                    check_if_identity_free=bool(cfg.initial_peers),
+                )
         except P2PDaemonError as e:
             text = str(e)
             if "bootstrap" in text:
@@ -399,7 +407,7 @@ class Daemon:
             budget_s=cfg.schedule_budget_s,
             publish=self._publish_epoch,
             on_adopt=self._on_adopt,
-            progress=lambda: self.training_progress() if self.training_progress is not None else None,
+            progress=lambda lead_s=0.0: self.training_progress(lead_s) if self.training_progress is not None else None,
         )
         await self._announce()
         await self._refresh_view()
@@ -897,6 +905,21 @@ class Daemon:
             return True
         entry = self.view.get(peer_id) if self.view is not None else None
         return entry is not None and entry.state != "OFFLINE"
+
+    def verify_epoch(self, epoch: ScheduleEpoch) -> bool:
+        """True if ``epoch`` is of our run and signed by its coordinator as our view knows it."""
+        entry = self.view.get(epoch.coordinator) if self.view is not None else None
+        if epoch.run_id != self.config.run_id or entry is None:
+            return False
+        return verify_rsa_signature(entry.public_key, epoch.signing_payload(), epoch.signature)
+
+    async def fetch_epochs(self) -> list[ScheduleEpoch]:
+        """Every epoch stored in the DHT whose signature matches the key that owns its record (a
+        trainer that fell behind an epoch switch looks there)."""
+        if self.adverts is None:
+            return []
+        return [e for e, owner in await self.adverts.fetch_epochs()
+                if verify_rsa_signature(owner, e.signing_payload(), e.signature)]
 
     def link_estimate(self, a: str, b: str) -> tuple[float, float] | None:
         """(one-way latency s, bandwidth B/s) of a measured link, for deadlines; None if unmeasured."""

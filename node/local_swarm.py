@@ -2,8 +2,8 @@
 
 Each daemon runs in its **own process group** (``start_new_session=True``). A daemon has
 children of its own (p2pd, the forked DHT process) that die with it only on a clean shutdown, so
-stopping or killing always targets the whole group: SIGTERM to the group first (a clean leave),
-then SIGKILL to whatever is left. That is what keeps p2pd processes from being orphaned, also
+stopping is SIGTERM to the daemon (a clean leave: it drains, then stops its children; a SIGTERM to
+the group would kill p2pd under the draining daemon), then SIGKILL to whatever is left of the group. That is what keeps p2pd processes from being orphaned, also
 when a test SIGKILLs a node on purpose.
 
 Readiness is reported by each daemon through a JSON ``--ready-file`` (status incl. peer id,
@@ -250,12 +250,17 @@ class LocalSwarm:
         return (errors or lines or ["no output"])[-1]
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
-        """Signal node ``index``'s whole process group (SIGKILL: simulate a crash)."""
+        """Signal node ``index``: SIGKILL goes to its whole process group (a crash: daemon, p2pd and
+        DHT child die at once); any other signal (SIGTERM: a graceful leave) to the daemon process
+        only, because the daemon still needs its p2pd and DHT child to drain and say goodbye."""
         node = self.nodes[index]
         if node.proc is None:
             return
         try:
-            os.killpg(node.proc.pid, sig)
+            if sig == signal.SIGKILL:
+                os.killpg(node.proc.pid, sig)
+            else:
+                os.kill(node.proc.pid, sig)
         except ProcessLookupError:
             pass
         if sig == signal.SIGKILL:
@@ -276,7 +281,7 @@ class LocalSwarm:
             return
         if node.alive:
             try:
-                os.killpg(node.proc.pid, signal.SIGTERM)
+                os.kill(node.proc.pid, signal.SIGTERM)  # the daemon drains, then stops its children
             except ProcessLookupError:
                 pass
         try:
@@ -286,11 +291,11 @@ class LocalSwarm:
         self._reap_group(node, 0.0)
 
     def stop(self, grace: float = DEFAULT_STOP_GRACE_S) -> None:
-        """SIGTERM every node's group, wait up to ``grace``, then SIGKILL what is left."""
+        """SIGTERM every daemon, wait up to ``grace``, then SIGKILL what is left of each group."""
         for node in self.nodes:
             if node.alive:
                 try:
-                    os.killpg(node.proc.pid, signal.SIGTERM)
+                    os.kill(node.proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + grace

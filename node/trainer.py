@@ -106,6 +106,9 @@ class TrainerConfig:
     ban_s: float = 30.0
     ban_max_s: float = 300.0
     liveness_poll_s: float = 0.25  # how often deadlines and membership are re-checked in an iteration
+    #: how often a node still waiting for a data node's IterationDone looks for that data node's
+    #: norm record in the DHT instead (a lost IterationDone must not stall the swarm)
+    done_poll_s: float = 1.0
     pause_poll_s: float = 1.0  # how often a paused node re-checks for the missing stage
     state_fetch_timeout_s: float = 180.0  # joiners and re-syncs wait this long for a replica's state
     #: relative checksum difference above which a replica counts as diverged (fp32 sums of equal
@@ -201,6 +204,13 @@ class _Pending:
     loss_done: bool = False
 
 
+@dataclass(frozen=True)
+class _DoneFromNorm:
+    """Stand-in for an ``IterationDone`` learnt from a data node's norm record."""
+
+    dropped: int = 0
+
+
 @dataclass
 class _IterationState:
     done: Dict[str, object] = field(default_factory=dict)  # data node peer id -> IterationDone
@@ -222,12 +232,16 @@ class TrainerNode:
                  on_iteration: Optional[Callable[[IterationStats], None]] = None, emulation=None,
                  alive: Optional[Callable[[str], bool]] = None, faults=None,
                  on_kill: Optional[Callable[[], None]] = None, link_estimate=None,
-                 allow: Optional[Callable[[str], bool]] = None, metrics=None, join_at: Optional[int] = None):
+                 allow: Optional[Callable[[str], bool]] = None, metrics=None, join_at: Optional[int] = None,
+                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None):
         """``alive(peer)``: membership oracle (the daemon's view: advert not expired, not OFFLINE); None =
         every member counts as alive until a send to it fails. ``faults``: optional
         :class:`node.faults.FaultInjector`. ``on_kill``: what an injected kill does (default: crash this
         trainer). ``link_estimate(a, b) -> (latency_s, bandwidth_Bps) | None`` feeds the deadlines.
-        ``join_at``: join a run in progress at this iteration, downloading the stage's state first."""
+        ``join_at``: join a run in progress at this iteration, downloading the stage's state first.
+        ``verify_epoch(epoch)``: signature check of epochs learnt from members' records (None: trust
+        members); ``async fetch_epochs()``: the signed epochs stored in the DHT, for a node that fell
+        behind an epoch switch."""
         self.p2p, self.dht, self.peer_id = p2p, dht, str(peer_id)
         self.emulation = emulation  # optional node.link_emulation.Emulation (WAN/compute emulation); None = off
         self._epoch_source = epoch
@@ -242,6 +256,8 @@ class TrainerNode:
         self._allow = allow
         self.metrics = metrics
         self.join_at = join_at
+        self._verify_epoch = verify_epoch
+        self._fetch_epochs = fetch_epochs
         self.runtime: Optional[StageRuntime] = None
         self.averager: Optional[StageAverager] = None
         self.dataplane = None
@@ -267,6 +283,7 @@ class TrainerNode:
         self._idle = asyncio.Event()
         self._idle.set()
         self._open = False  # the current iteration accepts microbatch work
+        self._opened = -1  # the last iteration that was opened (its later messages are late, not early)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="skippipe-compute")
         self._worker_task: Optional[asyncio.Task] = None
         self._monitor_task: Optional[asyncio.Task] = None
@@ -366,7 +383,6 @@ class TrainerNode:
 
         Must run on the main thread's event loop (the averager forks and installs signal handlers).
         """
-        from node.dataplane import DataPlane
         from node.state_transfer import StateServer
 
         self._bind_epoch(self._current_epoch())
@@ -387,10 +403,22 @@ class TrainerNode:
         self.current_iteration = self.committed_iteration + 1
         self.state_server = StateServer(self.p2p, self.cfg.run_id, self._snapshot, allow=self._allow)
         await self.state_server.start()
-        if self.join_at is not None and self.join_at > 0:
+        joining = self.join_at is not None and self.join_at > 0
+        if joining:
+            # members route our first iteration's microbatches to us as soon as they start it: listen
+            # (and queue them) while the state downloads, instead of failing their sends
+            self.current_iteration = self.join_at
+            await self._start_dataplane()
             await self._join_state(self.join_at, have_checkpoint=ckpt is not None)
         self._make_shard()
         await self._build_averager()
+        if not joining:
+            await self._start_dataplane()
+        self._worker_task = asyncio.create_task(self._worker(), name=f"trainer-worker-{self.node_name}")
+
+    async def _start_dataplane(self) -> None:
+        from node.dataplane import DataPlane
+
         kwargs = {}
         if self._allow is not None:
             kwargs["allow"] = self._allow
@@ -402,7 +430,6 @@ class TrainerNode:
         self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self._on_message,
                                    emulator=getattr(self.emulation, "link_emulator", None), **kwargs)
         await self.dataplane.start()
-        self._worker_task = asyncio.create_task(self._worker(), name=f"trainer-worker-{self.node_name}")
 
     def _make_guard(self):
         """Reject malformed, non-finite, replayed or out-of-epoch frames before they reach the worker."""
@@ -437,8 +464,10 @@ class TrainerNode:
         iteration ``start - 1``), else from our own checkpoint; never silently from scratch."""
         from node.state_transfer import StateTransferError, fetch_state
 
-        peers = [self.members[n] for n in self.plan.replicas(self.stage)
-                 if self.members[n] != self.peer_id and self.is_alive(self.members[n])]
+        # live replicas first, but ask the others too: under load a live peer's advert can lapse for
+        # a moment, and a dead one only costs a failed dial
+        peers = sorted((self.members[n] for n in self.plan.replicas(self.stage) if self.members[n] != self.peer_id),
+                       key=lambda p: not self.is_alive(p))
         try:
             peer, snap = await fetch_state(self.p2p, self.cfg.run_id, peers, self.stage, start - 1,
                                            timeout_s=self.cfg.state_fetch_timeout_s)
@@ -548,12 +577,17 @@ class TrainerNode:
             self.paused_reason = reason
             await asyncio.sleep(self.cfg.pause_poll_s)
 
-    def switch_iteration(self) -> int:
-        """First iteration a newly issued epoch can start at without any member having begun it.
+    def switch_iteration(self, lead_s: float = 0.0) -> int:
+        """First iteration a newly issued epoch can start at without any member having begun it,
+        at least ``lead_s`` seconds of training from now (a joiner's set-up time).
 
         Members are at most one iteration apart (an iteration commits only after every member
         published its norm), so ``current + 2`` is safe; while paused nobody runs, so ``current``."""
-        return self.current_iteration if self.paused_reason is not None else self.current_iteration + 2
+        if self.paused_reason is not None:
+            return self.current_iteration
+        recent = [s.seconds for s in self.history[-5:]]
+        per_it = max(sum(recent) / len(recent), 1e-3) if recent else 1.0
+        return self.current_iteration + 2 + (math.ceil(lead_s / per_it) if lead_s > 0 else 0)
 
     # ------------------------------------------------------------------ messages
     def _state(self, iteration: int) -> _IterationState:
@@ -583,8 +617,10 @@ class TrainerNode:
             logger.warning("%s: misrouted %s for %s", self.node_name, type(msg).__name__, msg.route[msg.hop][-8:])
             return
         it = msg.mb.iteration
-        if it > self.current_iteration:
-            self._early[it].append(msg)  # never apply iteration i+1 before step i is committed
+        if it > self.current_iteration or (it == self.current_iteration and it > self._opened):
+            # never apply iteration i+1 before step i is committed; and between the commit and the
+            # start of the next iteration (an epoch switch, a pause) its messages wait here too
+            self._early[it].append(msg)
             return
         if it < self.current_iteration or not self._open:
             logger.debug("%s: dropping late %s of iteration %d", self.node_name, type(msg).__name__, it)
@@ -767,6 +803,7 @@ class TrainerNode:
 
     async def _monitor(self, it: int) -> None:
         """Data node: fail microbatches past their deadline or routed through a node that is gone."""
+        last_poll = time.monotonic()
         while self._open and self.current_iteration == it and not self._closed:
             now = time.monotonic()
             for p in list(self._pending.values()):
@@ -778,6 +815,8 @@ class TrainerNode:
             st = self._iters.get(it)
             if st is not None:
                 self._check_done(st)
+                if st.remaining <= 0:  # ours are done: wait for the other data nodes
+                    last_poll = await self._maybe_done_from_norms(it, st, last_poll)
             await asyncio.sleep(self.cfg.liveness_poll_s)
 
     # ------------------------------------------------------------------ compute worker
@@ -947,7 +986,7 @@ class TrainerNode:
         it = self.current_iteration
         t0 = time.perf_counter()
         st = self._state(it)
-        self._open = True
+        self._open, self._opened = True, it
         if self.is_data_node:
             self._routes = self.plan.routes_for(self.index)
             self._pending.clear()
@@ -992,7 +1031,7 @@ class TrainerNode:
         loss_sum = float(sum(st.losses))
         record = {"stage": self.stage, "sq": self.runtime.grad_squared_norm(), "loss_sum": loss_sum,
                   "n_mb": len(st.losses), "tokens": st.tokens if self.is_data_node else 0,
-                  "checksum": self.runtime.checksum()}
+                  "checksum": self.runtime.checksum(), "dropped": st.dropped if self.is_data_node else 0}
         records = await self._exchange_norms(it, record)
         total_sq = self._global_squared_norm(records)
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
@@ -1032,11 +1071,33 @@ class TrainerNode:
 
     async def _watch_done(self, it: int) -> None:
         """Non-data nodes: notice a data node that is gone, so the iteration does not wait for it."""
+        last_poll = time.monotonic()
         while self._open and self.current_iteration == it and not self._closed:
             st = self._iters.get(it)
             if st is not None:
                 self._check_done(st)
+                last_poll = await self._maybe_done_from_norms(it, st, last_poll)
             await asyncio.sleep(self.cfg.liveness_poll_s)
+
+    async def _maybe_done_from_norms(self, it: int, st: _IterationState, last_poll: float) -> float:
+        """A data node publishes its gradient norm only after its microbatches are done, so its norm
+        record stands in for an ``IterationDone`` we never got (sent while our data plane was not
+        up yet, e.g. a joiner still downloading its state, or lost with a broken stream). Without
+        this, such a node would wait forever while the swarm waits for its norm."""
+        now = time.monotonic()
+        if st.all_done.is_set() or now - last_poll < self.cfg.done_poll_s:
+            return last_poll
+        with contextlib.suppress(Exception):
+            res = await self.dht.get(norm_key(self.cfg.run_id, it), latest=True, return_future=True)
+            if res is not None and isinstance(res.value, dict):
+                for peer, v in res.value.items():
+                    peer = str(peer)
+                    if peer in self.data_node_peers and peer not in st.done and isinstance(v.value, dict):
+                        logger.info("%s: iteration %d of data node %s is done (its norm record; no IterationDone "
+                                    "reached us)", self.node_name, it, peer[-8:])
+                        st.done[peer] = _DoneFromNorm(int(v.value.get("dropped", 0)))
+                self._check_done(st)
+        return time.monotonic()
 
     def _resync_source(self, records: Dict[str, dict], mine: float) -> Optional[str]:
         """The replica to copy from when ours diverged (a failed all-reduce): the lowest live peer id of
@@ -1086,12 +1147,62 @@ class TrainerNode:
                            "re-synced by checksum next iteration)", self.node_name, self.stage)
         return ok
 
+    def _epochs_to_announce(self, it: int) -> List[bytes]:
+        """Encoded epochs a member may not know yet: those announced to start after ``it``, and ours
+        if it began at ``it`` or just before (a member that missed the switch learns it here)."""
+        from protocol import encode
+
+        out = [e for n, e in self._offered.items() if n > self.epoch.epoch and int(e.start_iteration) > it]
+        if int(getattr(self.epoch, "start_iteration", 0)) >= it - 1 and self.epoch.epoch > 0:
+            out.append(self.epoch)
+        return [encode(e) for e in out]
+
+    def _learn_epochs(self, records) -> None:
+        """Offer the epochs other members announced in their norm records (checked by ``verify``)."""
+        from protocol import ProtocolError, ScheduleEpoch, decode
+
+        for r in records:
+            for data in r.get("epochs", ()) if isinstance(r, dict) else ():
+                try:
+                    epoch = decode(data, expect=ScheduleEpoch)
+                except (ProtocolError, TypeError, ValueError):
+                    continue
+                if epoch.epoch <= self.epoch.epoch or epoch.epoch in self._offered:
+                    continue
+                if self._verify_epoch is not None and not self._verify_epoch(epoch):
+                    continue
+                logger.info("%s: learnt schedule epoch %d (from iteration %d) from a member's record",
+                            self.node_name, epoch.epoch, epoch.start_iteration)
+                self.offer_epoch(epoch)
+
+    async def _catch_up_epochs(self, ahead: int) -> None:
+        """Members are on epoch ``ahead`` and we never saw it: look for it in the DHT."""
+        if self._fetch_epochs is None:
+            return
+        with contextlib.suppress(Exception):
+            for epoch in await self._fetch_epochs():
+                if epoch.epoch > self.epoch.epoch and epoch.run_id == self.cfg.run_id:
+                    self.offer_epoch(epoch)
+        if ahead not in self._offered:
+            logger.warning("%s: members train on schedule epoch %d, which this node cannot find yet", self.node_name,
+                           ahead)
+
     async def _exchange_norms(self, it: int, record: dict) -> Dict[str, dict]:
+        """Publish our record for iteration ``it`` and collect every member's.
+
+        Records carry the sender's epoch, and only records of *our* epoch are returned: a member
+        that switched epochs at another boundary (it missed an announcement) never mixes its
+        numbers into ours. Records also carry pending epochs, so the union of what the members
+        know reaches everyone at every barrier, and all switch at the same boundary. A member that
+        stays silent past ``norm_exchange_timeout_s`` is suspected and left out (a hung node must
+        not stop the swarm; a replica that drifted is re-synced by checksum)."""
         from node.compat import import_hivemind
 
         import_hivemind()
         from hivemind.utils import get_dht_time
         key = norm_key(self.cfg.run_id, it)
+        mine = self.epoch.epoch
+        record = dict(record, epoch=mine, epochs=self._epochs_to_announce(it))
         await self.dht.store(key, record, expiration_time=get_dht_time() + self.cfg.norm_record_ttl_s,
                              subkey=self.peer_id, return_future=True)
         deadline = time.monotonic() + self.cfg.norm_exchange_timeout_s
@@ -1099,12 +1210,27 @@ class TrainerNode:
         while True:
             res = await self.dht.get(key, latest=True, return_future=True)
             if res is not None and isinstance(res.value, dict):
-                found = {str(k): v.value for k, v in res.value.items() if str(k) in self.members}
-            if all(p in found or not self.is_alive(p) for p in self.members):
-                return found
-            if time.monotonic() > deadline:
-                missing = [p[-8:] for p in self.members if p not in found]
-                raise TrainingStalled(f"{self.node_name}: no gradient norm from {missing} for iteration {it}")
+                found = {str(k): v.value for k, v in res.value.items()
+                         if str(k) in self.members and isinstance(v.value, dict)}
+            done = all(p in found or not self.is_alive(p) for p in self.members)
+            if not done and time.monotonic() > deadline:
+                missing = [p for p in self.members if p not in found and self.is_alive(p)]
+                for p in missing:
+                    self.suspect(p, f"no gradient norm for iteration {it} in {self.cfg.norm_exchange_timeout_s:.0f}s")
+                logger.warning("%s: going on without the norms of %s for iteration %d", self.node_name,
+                               [p[-8:] for p in missing], it)
+                done = True
+            if done:
+                self._learn_epochs(found.values())
+                others = {p: int(r.get("epoch", mine)) for p, r in found.items() if int(r.get("epoch", mine)) != mine}
+                if others:
+                    logger.warning("%s: members %s finished iteration %d on other epochs %s (we are on %d); their "
+                                   "numbers are left out", self.node_name, [p[-8:] for p in others], it,
+                                   sorted(set(others.values())), mine)
+                    ahead = max(others.values())
+                    if ahead > mine and ahead not in self._offered:
+                        await self._catch_up_epochs(ahead)
+                return {p: r for p, r in found.items() if int(r.get("epoch", mine)) == mine}
             await asyncio.sleep(self.cfg.norm_poll_s)
 
     def _global_squared_norm(self, records: Dict[str, dict]) -> float:
@@ -1267,6 +1393,8 @@ class TrainerService:
         self.start_iteration: Optional[int] = None
         self.daemon = None
         self._task: Optional[asyncio.Task] = None
+        self._history_before: List[IterationStats] = []  # iterations committed before a re-join
+        self._stopping = False
 
     async def start(self, daemon) -> None:
         self.daemon = daemon
@@ -1284,10 +1412,10 @@ class TrainerService:
             daemon.on_schedule_epoch.append(self._offer_epoch)
         self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
 
-    def switch_iteration(self) -> Optional[int]:
+    def switch_iteration(self, lead_s: float = 0.0) -> Optional[int]:
         """For the coordinator: the iteration a new epoch should start at (None before training)."""
         if self.state in ("training", "paused") and self.trainer is not None:
-            return self.trainer.switch_iteration()
+            return self.trainer.switch_iteration(lead_s)
         return None
 
     def _offer_epoch(self, epoch) -> None:
@@ -1301,17 +1429,25 @@ class TrainerService:
         hb = getattr(getattr(self.daemon, "config", None), "heartbeat_s", 1.0)
         return 3.0 * float(hb)
 
-    async def _choose_epoch(self, daemon):
+    async def _choose_epoch(self, daemon, after: Optional[Tuple[int, int]] = None):
+        """The epoch to train on: the first time the daemon's current one (see the class docstring);
+        after leaving (``after`` = (epoch we left, iteration)), the next one that includes us again."""
         me = str(daemon.peer_id)
         seen, since, said = None, time.monotonic(), None
         while True:
             epoch = daemon.current_epoch
+            if after is not None and epoch is not None and (
+                    epoch.epoch <= after[0] or int(getattr(epoch, "start_iteration", 0)) < after[1]):
+                epoch = None  # not newer than the one we left, or it started before we left
+            if after is not None and self._stopping:
+                return None
             number = epoch.epoch if epoch is not None else None
             if number != seen:
                 seen, since = number, time.monotonic()
             joining = epoch is not None and int(getattr(epoch, "start_iteration", 0)) > 0
             if epoch is not None and me in epoch.members and (joining or len(epoch.members) >= self.min_members):
-                if time.monotonic() - since >= self.debounce_s:
+                # a run in progress announced its boundary already; waiting would only make us late
+                if joining or time.monotonic() - since >= self.debounce_s:
                     return epoch
             elif epoch is not None and said != number:
                 said = number
@@ -1373,42 +1509,22 @@ class TrainerService:
     async def _main(self, daemon) -> None:
         try:
             epoch = await self._choose_epoch(daemon)
-            self.epoch, self.state = epoch, "agreeing"
-            logger.info("training pins schedule epoch %d (%d members)", epoch.epoch, len(epoch.members))
-            for peer in epoch.members:
-                if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
-                    logger.warning("cannot connect to schedule member %s yet", peer[-8:])
-            join_at = int(getattr(epoch, "start_iteration", 0)) or None
-            pinned = epoch
-
-            def epoch_source():
-                return daemon.current_epoch or pinned
-
-            self.trainer = TrainerNode(
-                p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=lambda: pinned, config=self.config,
-                node_name=self.node_name, on_iteration=self._on_iteration, emulation=self._emulation(daemon),
-                alive=getattr(daemon, "peer_alive", None), faults=self.faults, on_kill=_kill_own_process_group,
-                link_estimate=getattr(daemon, "link_estimate", None), allow=getattr(daemon, "is_peer_allowed", None),
-                metrics=getattr(daemon, "metrics", None), join_at=join_at)
-            summary = training_summary(self.config, self.iterations)
-            if join_at is not None:
-                await self._check_joining_config(summary)
-                logger.info("joining the run in progress at iteration %d (epoch %d)", join_at, epoch.epoch)
-            await self.trainer.setup()
-            self.trainer._epoch_source = epoch_source  # from now on: follow the daemon's adopted epochs
-            self.start_iteration = self.trainer.current_iteration
-            if join_at is None:
-                await self._confirm(epoch, summary, self.start_iteration)
-            self.state = "training"
-            logger.info("training stage %d from iteration %d to %d", self.trainer.stage, self.start_iteration,
-                        self.iterations)
-            await self.trainer.run(self.iterations)
-            await self.trainer.save_checkpoint()
-            if self.trainer.left is not None:
-                self.state = "left"
-            else:
-                self.state = "done" if self.trainer.current_iteration >= self.iterations else "stopped"
-            logger.info("training %s at iteration %d", self.state, self.trainer.committed_iteration)
+            first = True
+            while True:
+                left_at = await self._train_on(daemon, epoch, first)
+                first = False
+                if left_at is None:
+                    break
+                # left out of an epoch (a view that briefly lost us, a take-over coordinator): wait
+                # for one that includes us again and re-join it with a fresh copy of our stage's state
+                self.state = "waiting"
+                logger.info("waiting for a schedule epoch that includes this node again (left at iteration %d)",
+                            left_at)
+                epoch = await self._choose_epoch(daemon, after=(self.trainer.epoch.epoch, left_at))
+                await self.trainer.shutdown()
+                if epoch is None:  # stopped while waiting
+                    self.state = "stopped"
+                    break
         except asyncio.CancelledError:
             self.state = "stopped"
             raise
@@ -1420,6 +1536,58 @@ class TrainerService:
             self.error, self.state = e, "error"
         finally:
             self.done.set()
+
+    async def _train_on(self, daemon, epoch, first: bool) -> Optional[int]:
+        """Build a trainer on ``epoch`` (joining mid-run if it starts later than 0) and train.
+
+        Returns the iteration at which a newer epoch left this node out, if it should re-join later;
+        None when training is over (done, stopped, draining)."""
+        self.epoch, self.state = epoch, "agreeing"
+        logger.info("training pins schedule epoch %d (%d members)", epoch.epoch, len(epoch.members))
+        for peer in epoch.members:
+            if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
+                logger.warning("cannot connect to schedule member %s yet", peer[-8:])
+        join_at = int(getattr(epoch, "start_iteration", 0)) or None
+        pinned = epoch
+
+        def epoch_source():
+            return daemon.current_epoch or pinned
+
+        self.trainer = TrainerNode(
+            p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=lambda: pinned, config=self.config,
+            node_name=self.node_name, on_iteration=self._on_iteration, emulation=self._emulation(daemon),
+            alive=getattr(daemon, "peer_alive", None), faults=self.faults, on_kill=_kill_own_process_group,
+            link_estimate=getattr(daemon, "link_estimate", None), allow=getattr(daemon, "is_peer_allowed", None),
+            metrics=getattr(daemon, "metrics", None), join_at=join_at,
+            verify_epoch=getattr(daemon, "verify_epoch", None), fetch_epochs=getattr(daemon, "fetch_epochs", None))
+        if not first and self._history_before:
+            self.trainer.history = list(self._history_before)
+        summary = training_summary(self.config, self.iterations)
+        if join_at is not None:
+            await self._check_joining_config(summary)
+            logger.info("joining the run in progress at iteration %d (epoch %d)", join_at, epoch.epoch)
+        await self.trainer.setup()
+        self.trainer._epoch_source = epoch_source  # from now on: follow the daemon's adopted epochs
+        if first:
+            self.start_iteration = self.trainer.current_iteration
+        if join_at is None:
+            await self._confirm(epoch, summary, self.trainer.current_iteration)
+        self.state = "training"
+        logger.info("training stage %d from iteration %d to %d", self.trainer.stage, self.trainer.current_iteration,
+                    self.iterations)
+        await self.trainer.run(self.iterations)
+        await self.trainer.save_checkpoint()
+        self._history_before = list(self.trainer.history)
+        if self.trainer.left is not None:
+            self.state = "left"
+            logger.info("training left at iteration %d: %s", self.trainer.committed_iteration, self.trainer.left)
+            if not self.trainer.draining and not self.trainer._stop_requested \
+                    and self.trainer.current_iteration < self.iterations:
+                return self.trainer.current_iteration
+            return None
+        self.state = "done" if self.trainer.current_iteration >= self.iterations else "stopped"
+        logger.info("training %s at iteration %d", self.state, self.trainer.committed_iteration)
+        return None
 
     def _drain_pointless(self) -> Optional[str]:
         """Why no epoch without us will come (so waiting for one is pointless), or None."""
@@ -1498,6 +1666,7 @@ class TrainerService:
         """Graceful leave: keep training until an epoch without this node starts (the coordinator
         issues one once our advert says DRAINING), so no in-flight microbatch is lost; after
         ``drain_timeout_s`` finish the current iteration and leave anyway."""
+        self._stopping = True
         if self.trainer is not None and self.state == "training" and self._task is not None and not self._task.done():
             self.trainer.draining = True
             logger.info("draining: training on until a schedule epoch without this node starts "

@@ -27,13 +27,13 @@ from tests.faults.daemon_helpers import contiguous, train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ITERATIONS = 16
+ITERATIONS = 80
 
 
 def test_join_with_state_download_then_graceful_leave(tmp_path):
     ckpt = tmp_path / "ckpt"
     swarm = LocalSwarm(
-        6, [2, 2, 1, 1], base_dir=tmp_path / "swarm", run_id="elastic", heartbeat_s=1.0,
+        6, [2, 2, 1, 1], base_dir=tmp_path / "swarm", run_id="elastic", heartbeat_s=2.0,
         extra_args=lambda i: train_args(ITERATIONS, 6, "--checkpoint-dir", str(ckpt), "--node-name", f"node{i}"))
     try:
         swarm.start(timeout=240)
@@ -51,9 +51,8 @@ def test_join_with_state_download_then_graceful_leave(tmp_path):
                           400, "the joiner to commit an iteration")[j]
         assert joined["start_iteration"] > 1, "the joiner must start mid-run, at a later iteration boundary"
         assert joined["epoch"] > epoch0 and joined["members"] == 7
-        others = wait_for(swarm, range(6), lambda s: s.get("epoch") == joined["epoch"], 120,
-                          "every member to switch to the joiner's epoch")
-        assert {s["members"] for s in others.values()} == {7}
+        wait_for(swarm, range(6), lambda s: (s.get("epoch") or 0) >= joined["epoch"] and s.get("members") == 7, 120,
+                 "every member to switch to an epoch with the joiner")
 
         # 2. graceful leave of a stage-1 replica (its stage keeps node 2)
         leaver = swarm.nodes[3]
