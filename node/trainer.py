@@ -96,6 +96,9 @@ class TrainerConfig:
     norm_record_ttl_s: float = 300.0
     #: per-hop budgets from the cost model (node.deadlines); the data node fails a microbatch past them
     deadlines: DeadlineConfig = DeadlineConfig()
+    #: deadlines of a trainer's first iteration are this many times longer: every stream to a
+    #: neighbour is opened then and allocators warm up; on a loaded box that took ~3x a steady hop
+    first_iteration_deadline_factor: float = 3.0
     #: a microbatch whose forward failed is recomputed on a fresh path at most this often, then dropped
     max_retries: int = 1
     #: stages a path may lose to recovery beyond the schedule's own skips (the paper's omission
@@ -284,6 +287,7 @@ class TrainerNode:
         self._idle.set()
         self._open = False  # the current iteration accepts microbatch work
         self._opened = -1  # the last iteration that was opened (its later messages are late, not early)
+        self._first_iteration = -1  # the first iteration this trainer ran
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="skippipe-compute")
         self._worker_task: Optional[asyncio.Task] = None
         self._monitor_task: Optional[asyncio.Task] = None
@@ -903,6 +907,14 @@ class TrainerNode:
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def _budget_s(self, route) -> float:
+        """The microbatch's deadline budget; the first iteration this trainer runs gets
+        ``first_iteration_deadline_factor`` times more (streams are opened, allocators warm up)."""
+        budget = self.deadlines.microbatch_budget_s(route)
+        if self.history or self.current_iteration != self._first_iteration:
+            return budget
+        return budget * self.cfg.first_iteration_deadline_factor
+
     def _key(self, mb) -> MbKey:
         return (mb.data_node, mb.epoch, mb.iteration, mb.index, mb.attempt)
 
@@ -920,7 +932,7 @@ class TrainerNode:
         if attempt == 0:
             st.tokens += targets.numel()
         self._pending[index] = _Pending(index, attempt, route,
-                                        time.monotonic() + self.deadlines.microbatch_budget_s(route))
+                                        time.monotonic() + self._budget_s(route))
         frame = await self._compute(lambda: TensorFrame.from_tensor(self.runtime.start(key, inputs)))
         self._spawn(self._send_forward(ActivationMessage(mb, 1, route, frame)))
 
@@ -987,6 +999,8 @@ class TrainerNode:
         t0 = time.perf_counter()
         st = self._state(it)
         self._open, self._opened = True, it
+        if self._first_iteration < 0:
+            self._first_iteration = it
         if self.is_data_node:
             self._routes = self.plan.routes_for(self.index)
             self._pending.clear()

@@ -8,7 +8,7 @@ from typing import Callable, Dict, Iterable, Optional
 from node.local_swarm import LocalNode, LocalSwarm
 from node.rpc import call_http
 
-__all__ = ["training_state", "wait_for", "train_args", "contiguous"]
+__all__ = ["training_state", "wait_for", "train_args"]
 
 
 def training_state(node: LocalNode, limit: int = 1000) -> Optional[dict]:
@@ -50,7 +50,3 @@ def train_args(iterations: int, min_members: int, *extra: str) -> list:
             "--microbatches", "2", "--microbatch-size", "4", "--checkpoint-every", "0",
             "--iteration-timeout", "240", "--agreement-timeout", "300", "--log-level", "INFO", *extra]
 
-
-def contiguous(iterations: list) -> bool:
-    """Committed iterations form one run without gaps or repeats."""
-    return iterations == list(range(iterations[0], iterations[0] + len(iterations))) if iterations else True
