@@ -448,8 +448,12 @@ class TrainerNode:
             return self.epoch.epoch, self.current_iteration
 
         try:
+            def members():
+                # senders of the current epoch and of announced ones (valid at a switch boundary)
+                return set(self.members).union(*(e.members for e in self._offered.values()))
+
             return MicrobatchGuard(run_id=self.cfg.run_id, hidden_shape=(d.microbatch_size, d.seq_len, m.d_model),
-                                   position=position, self_id=self.peer_id)
+                                   position=position, self_id=self.peer_id, members=members)
         except TypeError:
             logger.debug("MicrobatchGuard has another signature; data plane runs unguarded")
             return None
@@ -613,7 +617,7 @@ class TrainerNode:
             return
         if isinstance(msg, HopFailure):
             if msg.mb.run_id == self.cfg.run_id and msg.mb.data_node == self.peer_id:
-                self._on_hop_failure(msg)
+                self._on_hop_failure(msg, sender)
             return
         if not isinstance(msg, (ActivationMessage, GradientMessage)) or msg.mb.run_id != self.cfg.run_id:
             return
@@ -744,14 +748,29 @@ class TrainerNode:
             with contextlib.suppress(Exception):
                 self.metrics.count_reroute()
 
-    def _on_hop_failure(self, msg) -> None:
-        """Data node: a hop of one of our microbatches failed."""
+    def _on_hop_failure(self, msg, sender: Optional[str] = None) -> None:
+        """Data node: a hop of one of our microbatches failed (reported by a node of its route)."""
         p = self._pending.get(msg.mb.index)
         if p is None or p.attempt != msg.mb.attempt or msg.mb.iteration != self.current_iteration:
+            return
+        if sender is not None and sender != self.peer_id and not self._could_be_on_route(sender, p.route):
+            logger.warning("%s: ignoring a hop failure about %s from %s, which is not on that route", self.node_name,
+                           _mb_name(msg.mb), sender[-8:])
             return
         if msg.peer_id != self.peer_id:
             self.suspect(msg.peer_id, f"hop {msg.hop} of {_mb_name(msg.mb)}: {msg.reason}")
         self._fail_microbatch(p, f"hop failure at hop {msg.hop}: {msg.reason}")
+
+    def _could_be_on_route(self, peer: str, route) -> bool:
+        """``peer`` is on ``route`` or a replica of one of its stages (re-routing may have put it there)."""
+        if peer in route:
+            return True
+        stage_of = self.plan.stage_of
+        index = {p: i for i, p in enumerate(self.members)}
+        if peer not in index:
+            return False
+        stages = {stage_of.get(index[r]) for r in route if r in index}
+        return stage_of.get(index[peer]) in stages
 
     def _fail_microbatch(self, p: _Pending, why: str) -> None:
         """Retry a microbatch whose forward failed on a fresh path, or drop it (never hang)."""
