@@ -47,6 +47,10 @@ class AveragingConfig:
     allreduce_timeout_s: float = 60.0
 
 
+#: Smallest weight a replica averages with (see StageAverager.average).
+MIN_WEIGHT = 1e-6
+
+
 def averager_prefix(run_id: str, stage: int, epoch: int) -> str:
     """DHT prefix of one averaging group; hivemind forbids '.' in it."""
     safe_run = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)
@@ -95,6 +99,10 @@ class StageAverager:
         with self._avg.get_tensors() as buffers:
             for buf, t in zip(buffers, tensors):
                 buf.copy_(t.detach().cpu())
+        # hivemind divides by the sum of the group's weights: if no replica was visited this
+        # iteration all weights would be 0 and the mean 0/0 = NaN; a tiny floor gives the zero
+        # gradient of unvisited replicas instead and is negligible next to one visit
+        weight = max(float(weight), MIN_WEIGHT)
         try:
             # on the loop thread: the returned MPFuture binds to the loop that creates it (blocks ~ms)
             control = self._avg.step(weight=float(weight), wait=False, timeout=self.cfg.matchmaking_timeout_s)
@@ -106,6 +114,11 @@ class StageAverager:
             logger.warning("averaging round of %s found no group", self.prefix)
             return False
         with self._avg.get_tensors() as buffers:
+            if not all(bool(torch.isfinite(buf).all()) for buf in buffers):
+                # never let a bad round poison the stage: keep our own gradient instead
+                logger.warning("averaging round of %s returned non-finite values; keeping the local gradient",
+                               self.prefix)
+                return False
             for buf, t in zip(buffers, tensors):
                 t.copy_(buf.to(t.device))
         return True

@@ -197,6 +197,11 @@ class StageRuntime:
         self.optimizer.step()
         self.reset_grads()
 
+    def skip_step(self) -> None:
+        """End the iteration without an optimizer step (a non-finite gradient is never applied)."""
+        self._in_flight.clear()
+        self.reset_grads()
+
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}

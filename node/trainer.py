@@ -1071,9 +1071,16 @@ class TrainerNode:
         t_norm = time.perf_counter()
         source = self._resync_source(records, record["checksum"])
 
+        finite = math.isfinite(total_sq) and math.isfinite(record["sq"])
+
         def step() -> None:
-            self.runtime.scale_grads(coef)
-            self.runtime.step()
+            if not finite:  # a poisoned gradient is never applied (replicas that stepped re-sync us)
+                logger.warning("%s: non-finite gradient norm at iteration %d; stage %d skips this step",
+                               self.node_name, it, self.stage)
+                self.runtime.skip_step()
+            else:
+                self.runtime.scale_grads(coef)
+                self.runtime.step()
             self._state_iteration = it
 
         if source is not None:
@@ -1135,11 +1142,13 @@ class TrainerNode:
     def _resync_source(self, records: Dict[str, dict], mine: float) -> Optional[str]:
         """The replica to copy from when ours diverged (a failed all-reduce): the lowest live peer id of
         our stage; None when we agree with it (or are it)."""
-        replicas = sorted(p for p, r in records.items() if int(r["stage"]) == self.stage and "checksum" in r)
+        # only a replica with finite parameters can be a source (a NaN one would spread)
+        replicas = sorted(p for p, r in records.items() if int(r["stage"]) == self.stage and "checksum" in r
+                          and math.isfinite(float(r["checksum"])))
         if not replicas or replicas[0] == self.peer_id:
             return None
         theirs = float(records[replicas[0]]["checksum"])
-        if abs(theirs - mine) <= self.cfg.resync_tolerance * max(1.0, abs(theirs)):
+        if math.isfinite(mine) and abs(theirs - mine) <= self.cfg.resync_tolerance * max(1.0, abs(theirs)):
             return None
         logger.warning("%s: stage %d parameters differ from replica %s (checksum %.9g vs %.9g); re-syncing",
                        self.node_name, self.stage, replicas[0][-8:], mine, theirs)

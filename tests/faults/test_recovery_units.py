@@ -1,0 +1,38 @@
+"""Units of the recovery rules that need no network: re-sync source choice, non-finite gradients."""
+
+import math
+import types
+
+import torch
+
+from node.model import build_stage, model_config
+from node.stage_runtime import OptimConfig, StageRuntime
+from node.trainer import TrainerConfig, TrainerNode
+
+
+def _node(peer_id: str, stage: int = 1):
+    t = TrainerNode(p2p=None, dht=None, peer_id=peer_id, epoch=None, config=TrainerConfig())
+    t.plan = types.SimpleNamespace(stage_of={0: 0, 1: stage, 2: stage})
+    t.members = ("d", "a", "b")
+    t.index = t.members.index(peer_id)
+    return t
+
+
+def test_resync_copies_the_lowest_finite_replica_only():
+    node = _node("b")
+    records = {"a": {"stage": 1, "checksum": 10.0}, "b": {"stage": 1, "checksum": 10.5}, "d": {"stage": 0, "checksum": 1.0}}
+    assert node._resync_source(records, 10.5) == "a"  # diverged: copy the lowest-id replica
+    assert node._resync_source(dict(records, b={"stage": 1, "checksum": 10.0}), 10.0) is None  # in sync
+    poisoned = dict(records, a={"stage": 1, "checksum": math.nan})
+    assert node._resync_source(poisoned, 10.5) is None  # a NaN replica is never a source
+    assert _node("a")._resync_source(dict(records, a={"stage": 1, "checksum": math.nan}), math.nan) == "b"
+
+
+def test_skip_step_leaves_parameters_untouched():
+    rt = StageRuntime(build_stage(model_config("tiny", n_stages=3), 1, 0), OptimConfig())
+    before = [p.detach().clone() for p in rt.parameters()]
+    for p in rt.parameters():
+        p.grad = torch.full_like(p, math.nan)
+    rt.skip_step()
+    assert all(torch.equal(a, b) for a, b in zip(before, rt.parameters()))
+    assert all(bool((p.grad == 0).all()) for p in rt.parameters()) and rt.visits == 0
