@@ -178,8 +178,6 @@ class MicrobatchGuard:
         expected = route[hop - 1] if forward else route[hop + 1]
         if sender != expected:
             return Rejection(WRONG_SENDER, f"{kind} hop {hop} must come from {expected[-8:]}, not the sender")
-        if self.members is not None and sender not in self.members():
-            return Rejection(NOT_MEMBER, f"{kind} from a peer outside the schedule")
         rejection = self._check_window(mb.epoch, mb.iteration, pos) or self._check_tensor(msg.tensor)
         if rejection is not None:
             return rejection
@@ -188,6 +186,10 @@ class MicrobatchGuard:
         if key in bucket:
             return Rejection(REPLAYED, f"{kind} {mb.data_node[-6:]}/{mb.iteration}/{mb.index}.{mb.attempt} "
                                        f"hop {hop} was already received")
+        # membership last, so a refused frame is named by what is wrong with its content too; and
+        # only an accepted frame is remembered (an outsider must not pre-empt a member's frame id)
+        if self.members is not None and sender not in self.members():
+            return Rejection(NOT_MEMBER, f"{kind} from a peer outside the schedule")
         self._remember(bucket, key)
         return None
 

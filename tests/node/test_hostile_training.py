@@ -4,7 +4,8 @@ In-process harness (:class:`node.commands.up.LocalSwarm`: real hivemind P2P and 
 torch): 3 stages, one node each, full-length paths. An extra hivemind peer, connected to every
 node but not a member, writes to each node's data-plane handler, round after round, random bytes,
 broken msgpack, a length header promising a terabyte, and activations that look valid but carry
-NaN, a wrong shape, an old schedule epoch, or an id it already sent (a replay). Half-way through,
+NaN, a wrong shape, an old schedule epoch, or an id it already sent (a replay; refused as
+``not_member`` like any fresh frame of an outsider). Half-way through,
 the swarm switches to schedule epoch 1 (same allocation), so that epoch-0 frames become out of epoch.
 
 The run must not notice: every node commits every iteration, in order; the loss stays finite
@@ -43,8 +44,10 @@ MIN_ITERATIONS = 6
 EPOCH_SWITCH_AT = 3
 #: Most iterations trained while waiting for the garbage to end (a very fast machine stops here).
 MAX_ITERATIONS = 400
-#: Reasons that must have been counted on the nodes.
-EXPECTED_REASONS = {"undecodable", "oversized", "non_finite", "wrong_shape", "replayed", "out_of_epoch"}
+#: Reasons that must have been counted on the nodes. The hostile peer is no member, so a fresh
+#: well-formed frame (the first copy of a replayed pair) is refused as ``not_member`` and never
+#: remembered; replays of a member's frames are covered in tests/node/test_dataplane_guard.py.
+EXPECTED_REASONS = {"undecodable", "oversized", "non_finite", "wrong_shape", "not_member", "out_of_epoch"}
 SCHEDULE = build_schedule(3, data_nodes=1, replicas=[1, 1], path_length=3, microbatches=2, memory=2)
 
 
