@@ -23,7 +23,7 @@ from tests.faults.daemon_helpers import train_args, training_state, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SEED = 7
-ITERATIONS = 120
+ITERATIONS = 80
 SIZES = [2, 3, 3, 2, 2]
 KILLS = 5  # 50% of the 10 non-data nodes
 
@@ -53,7 +53,7 @@ def test_kill_half_the_stage_nodes_then_add_two(tmp_path):
     rng = random.Random(SEED)
     victims = _kill_plan(rng, SIZES, KILLS)
     # a kill lands 0.3-3 s after the data nodes commit the iteration it is planned for
-    moments = sorted(rng.sample(range(3, 40), KILLS))
+    moments = sorted(rng.sample(range(3, 30), KILLS))
     delays = [rng.uniform(0.3, 3.0) for _ in victims]
     plan = list(zip(moments, victims, delays))
     swarm = LocalSwarm(
