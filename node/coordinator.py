@@ -41,7 +41,7 @@ DEFAULT_BANDWIDTH_Bps = 2.0 * 2**30
 #: Seconds of training between announcing an epoch that adds a node and its first iteration: the
 #: joiner's adoption (a gossip hop), its stage build and its state download (seconds on a LAN, tens
 #: on a loaded box or a slow link) fit in it, so the swarm rarely waits for the joiner.
-DEFAULT_JOIN_LEAD_S = 20.0
+DEFAULT_JOIN_LEAD_S = 30.0
 #: How many unadopted epochs a node keeps to re-check once its view catches up.
 MAX_PENDING_EPOCHS = 8
 

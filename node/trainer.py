@@ -74,6 +74,10 @@ class TrainingStalled(RuntimeError):
     """An iteration could not complete in time even with recovery (e.g. a member hangs without dying)."""
 
 
+class JoinFailed(TrainingStalled):
+    """No live replica handed over the stage's state for a mid-run join (and no checkpoint)."""
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     run_id: str = "skippipe"
@@ -114,6 +118,9 @@ class TrainerConfig:
     done_poll_s: float = 1.0
     pause_poll_s: float = 1.0  # how often a paused node re-checks for the missing stage
     state_fetch_timeout_s: float = 180.0  # joiners and re-syncs wait this long for a replica's state
+    #: a joiner asks the live replicas this many times before giving up on the epoch (each ask waits
+    #: up to the replica's own limit for the iteration before the join to be committed)
+    state_fetch_attempts: int = 4
     #: relative checksum difference above which a replica counts as diverged (fp32 sums of equal
     #: tensors are bit-identical, so anything above rounding noise is a real divergence)
     resync_tolerance: float = 1e-9
@@ -476,12 +483,24 @@ class TrainerNode:
         # a moment, and a dead one only costs a failed dial
         peers = sorted((self.members[n] for n in self.plan.replicas(self.stage) if self.members[n] != self.peer_id),
                        key=lambda p: not self.is_alive(p))
-        try:
-            peer, snap = await fetch_state(self.p2p, self.cfg.run_id, peers, self.stage, start - 1,
-                                           timeout_s=self.cfg.state_fetch_timeout_s)
-        except StateTransferError as e:
+        snap, error = None, None
+        for attempt in range(1, self.cfg.state_fetch_attempts + 1):
+            try:
+                peer, snap = await fetch_state(self.p2p, self.cfg.run_id, peers, self.stage, start - 1,
+                                               timeout_s=self.cfg.state_fetch_timeout_s)
+                break
+            except StateTransferError as e:
+                error = e
+                # a live replica that is merely slow to commit ``start - 1`` (the swarm is busy with
+                # another failure) hands the state over later: ask again, a bounded number of times
+                if not any(self.is_alive(p) for p in peers) or attempt == self.cfg.state_fetch_attempts:
+                    break
+                logger.warning("%s: no state for stage %d yet (%s); asking again", self.node_name, self.stage, e)
+                await asyncio.sleep(1.0)
+        if snap is None:
+            e = error
             if not have_checkpoint:
-                raise TrainingStalled(f"{self.node_name}: cannot join stage {self.stage} at iteration {start}: {e}; "
+                raise JoinFailed(f"{self.node_name}: cannot join stage {self.stage} at iteration {start}: {e}; "
                                       "no checkpoint either (--checkpoint-dir DIR --resume)") from None
             logger.warning("%s: %s; continuing from the checkpoint of iteration %d", self.node_name, e,
                            self.committed_iteration)
@@ -1553,7 +1572,13 @@ class TrainerService:
             epoch = await self._choose_epoch(daemon)
             first = True
             while True:
-                left_at = await self._train_on(daemon, epoch, first)
+                try:
+                    left_at = await self._train_on(daemon, epoch, first)
+                except JoinFailed as e:
+                    # the replica we need is busy or gone: the coordinator will issue another epoch
+                    # (it starts later, so there is a newer state to fetch); try that one
+                    logger.warning("%s; waiting for a later epoch to try again", e)
+                    left_at = max(int(getattr(epoch, "start_iteration", 0)), 1)
                 first = False
                 if left_at is None:
                     break
