@@ -95,6 +95,10 @@ JOINING_HEARTBEATS = 1
 DRAIN_GRACE_S = 0.5
 #: How long a service gets to stop unless it says otherwise (``stop_timeout_s``).
 SERVICE_STOP_TIMEOUT_S = 10.0
+#: DHT bootstrap tries before a join gives up, and the pause between them: a busy initial peer
+#: can miss one bootstrap ping (seen with 12+ daemons on 2 cores); an unreachable one fails all.
+DHT_BOOTSTRAP_ATTEMPTS = 3
+DHT_BOOTSTRAP_RETRY_S = 2.0
 #: Seconds hivemind gives the DHT process to exit on its own (it is killed after that anyway).
 DHT_GRACEFUL_SHUTDOWN_S = 1.0
 #: Seconds to wait for the forked DHT process to exit before it is killed.
@@ -373,10 +377,16 @@ class Daemon:
                 shutdown_timeout=DHT_GRACEFUL_SHUTDOWN_S,
             )
 
-        try:
-            self.dht = await loop.run_in_executor(None, _make_dht)
-        except Exception as e:  # noqa: BLE001 - bootstrap failures surface as RuntimeError
-            raise UserError(f"cannot join the DHT through the initial peers: {e}") from None
+        for attempt in range(1, DHT_BOOTSTRAP_ATTEMPTS + 1):
+            try:
+                self.dht = await loop.run_in_executor(None, _make_dht)
+                break
+            except Exception as e:  # noqa: BLE001 - bootstrap failures surface as RuntimeError
+                if attempt == DHT_BOOTSTRAP_ATTEMPTS or not cfg.initial_peers:
+                    raise UserError(f"cannot join the DHT through the initial peers: {e}") from None
+                # an initial peer on a busy machine can miss the bootstrap ping: ask again
+                logger.warning("DHT bootstrap failed (%s); trying again (%d/%d)", e, attempt, DHT_BOOTSTRAP_ATTEMPTS)
+                await asyncio.sleep(DHT_BOOTSTRAP_RETRY_S)
         owner = make_record_validators(self.identity.private_key)[0].local_public_key
         self.adverts = AdvertStore(self.dht, cfg.run_id, owner, self.access)
         self.view = SwarmView(run_id=cfg.run_id, self_id=self.peer_id)
