@@ -10,4 +10,6 @@ from __future__ import annotations
 __all__ = ["PROTOCOL_VERSION"]
 
 #: Version carried in the ``"v"`` key of every envelope; decoders accept only this value.
-PROTOCOL_VERSION: int = 1
+#: 2: ``MicrobatchId.attempt`` (recomputed microbatches) and ``ScheduleEpoch.start_iteration``
+#: (epochs switch at an announced iteration boundary).
+PROTOCOL_VERSION: int = 2

@@ -16,7 +16,7 @@ MB = MicrobatchId(run_id="run", epoch=0, iteration=1, data_node="d", index=2)
 def _reference(msg: ActivationMessage) -> bytes:
     frame = msg.tensor
     body = {
-        "mb": {"run_id": "run", "epoch": 0, "iteration": 1, "data_node": "d", "index": 2},
+        "mb": {"run_id": "run", "epoch": 0, "iteration": 1, "data_node": "d", "index": 2, "attempt": 0},
         "hop": msg.hop,
         "route": list(msg.route),
         "tensor": {"dtype": frame.dtype, "shape": list(frame.shape), "data": frame.data, "compression": "none"},

@@ -94,7 +94,7 @@ def test_valid_baseline_decodes():
 # --- UnsupportedVersion ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", [0, 2, PROTOCOL_VERSION + 100, -1])
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, PROTOCOL_VERSION + 100, -1])
 def test_unsupported_version(version):
     envelope = plain(ACTIVATION)
     envelope["v"] = version
@@ -267,8 +267,8 @@ def test_object_fields_are_plain_values_only():
     deep: object = 0
     for _ in range(100):
         deep = [deep]
-    raises(MalformedMessage, pack({"v": 1, "t": "rpc_request", "b": {"method": "m", "params": {"x": deep}}}), match="nested")
-    raises(MalformedMessage, pack({"v": 1, "t": "rpc_response", "b": {"ok": True, "result": {b"k": 1}, "error": None}}))
+    raises(MalformedMessage, pack({"v": PROTOCOL_VERSION, "t": "rpc_request", "b": {"method": "m", "params": {"x": deep}}}), match="nested")
+    raises(MalformedMessage, pack({"v": PROTOCOL_VERSION, "t": "rpc_response", "b": {"ok": True, "result": {b"k": 1}, "error": None}}))
 
 
 def test_unknown_dtype_and_compression():

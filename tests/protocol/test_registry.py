@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import decode, encode, register_message
+from protocol import PROTOCOL_VERSION, decode, encode, register_message
 from protocol.errors import MalformedMessage
 from protocol.registry import message_class, registered_messages
 from protocol.tensor import TensorFrame
@@ -98,7 +98,7 @@ def test_recursive_type_depth_is_bounded():
     for _ in range(200):
         body = {"children": [body]}
     with pytest.raises(MalformedMessage, match="nested"):
-        decode(msgpack.packb({"v": 1, "t": "tests.tree", "b": body}))
+        decode(msgpack.packb({"v": PROTOCOL_VERSION, "t": "tests.tree", "b": body}))
 
 
 def test_registration_errors():
