@@ -255,7 +255,7 @@ def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib
     stage_sizes = [len(s) for s in setting["stages"]]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     swarm = DaemonSwarm(args.nodes, stage_sizes, base_dir=base / policy, run_id=f"{RUN_ID}-{policy}",
-                        heartbeat_s=DAEMON_HEARTBEAT_S, path_length=args.path_length,
+                        heartbeat_s=args.heartbeat, path_length=args.path_length,
                         extra_args=_daemon_args(args, setting, policy, locations), env=env)
     total = args.warmup + args.iterations
     t0 = time.perf_counter()
@@ -391,6 +391,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iteration-timeout-s", type=float, default=300.0)
     p.add_argument("--in-process", action="store_true",
                    help="one in-process swarm (node.commands.up.LocalSwarm) instead of 20 daemons per policy")
+    p.add_argument("--heartbeat", type=float, default=DAEMON_HEARTBEAT_S,
+                   help="daemons: advert heartbeat, s (TTL = 3x). 20 daemons on 2 cores starve heartbeats at 2 s, "
+                        "and a live node that looks gone costs recomputations (default %(default)s)")
     p.add_argument("--start-timeout-s", type=float, default=240.0, help="daemons: seconds to come up / agree")
     p.add_argument("--run-timeout-s", type=float, default=900.0, help="daemons: seconds per policy after ready")
     p.add_argument("--workdir", default=None, help="daemons: keep their folders (logs) here instead of a temp dir")
@@ -399,6 +402,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from node.errors import UserError
+
+    try:
+        return _main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted (every daemon was stopped)", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     setting = build_setting(args)

@@ -113,6 +113,13 @@ class TrainerConfig:
     ban_s: float = 30.0
     ban_max_s: float = 300.0
     liveness_poll_s: float = 0.25  # how often deadlines and membership are re-checked in an iteration
+    #: a microbatch budget is capped at this fraction of ``iteration_timeout_s``: on an overloaded box
+    #: the cost-model budget can exceed the iteration timeout, and then a lost microbatch would stop
+    #: training (TrainingStalled) instead of being recomputed or dropped
+    max_budget_fraction: float = 0.4
+    #: an iteration still open after this long logs what it waits for (pending microbatches, queues,
+    #: missing IterationDones), then again at this interval: a stall must be diagnosable from the log
+    stall_report_s: float = 60.0
     #: how often a node still waiting for a data node's IterationDone looks for that data node's
     #: norm record in the DHT instead (a lost IterationDone must not stall the swarm)
     done_poll_s: float = 1.0
@@ -212,6 +219,7 @@ class _Pending:
     route: Tuple[str, ...]
     deadline: float
     loss_done: bool = False
+    started: float = 0.0  # monotonic time of the attempt's first forward
 
 
 @dataclass(frozen=True)
@@ -797,6 +805,7 @@ class TrainerNode:
         st = self._state(it)
         old_key = (self.peer_id, self.epoch.epoch, it, p.index, p.attempt)
         self.runtime.drop(old_key)
+        self._targets.pop(old_key, None)
         if not p.loss_done and p.attempt < self.cfg.max_retries:
             route = self._fresh_route(p.index)
             if route is not None:
@@ -846,20 +855,42 @@ class TrainerNode:
     async def _monitor(self, it: int) -> None:
         """Data node: fail microbatches past their deadline or routed through a node that is gone."""
         last_poll = time.monotonic()
+        next_report = time.monotonic() + self.cfg.stall_report_s
         while self._open and self.current_iteration == it and not self._closed:
             now = time.monotonic()
-            for p in list(self._pending.values()):
-                dead = [r for r in p.route if not self.is_alive(r)]
-                if dead:
-                    self._fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
-                elif now > p.deadline:
-                    self._fail_microbatch(p, f"deadline of {self.deadlines.microbatch_budget_s(p.route):.1f}s passed")
-            st = self._iters.get(it)
-            if st is not None:
-                self._check_done(st)
-                if st.remaining <= 0:  # ours are done: wait for the other data nodes
-                    last_poll = await self._maybe_done_from_norms(it, st, last_poll)
+            try:
+                for p in list(self._pending.values()):
+                    dead = [r for r in p.route if not self.is_alive(r)]
+                    if dead:
+                        self._fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
+                    elif now > p.deadline:
+                        self._fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
+                st = self._iters.get(it)
+                if st is not None:
+                    self._check_done(st)
+                    if st.remaining <= 0:  # ours are done: wait for the other data nodes
+                        last_poll = await self._maybe_done_from_norms(it, st, last_poll)
+                if now > next_report:
+                    next_report = now + self.cfg.stall_report_s
+                    self._report_stall(it)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the monitor is what un-stalls an iteration: it must not die
+                logger.exception("%s: iteration monitor failed; going on", self.node_name)
             await asyncio.sleep(self.cfg.liveness_poll_s)
+
+    def _report_stall(self, it: int) -> None:
+        """Log what an iteration that has been open for long still waits for."""
+        st = self._iters.get(it)
+        now = time.monotonic()
+        pending = [f"{p.index}.{p.attempt}({'bwd' if p.loss_done else 'fwd'}, {p.deadline - now:+.0f}s)"
+                   for p in self._pending.values()]
+        missing = [p[-8:] for p in self.data_node_peers if st is None or p not in st.done]
+        logger.warning("%s: iteration %d still open; remaining %s, pending %s, queued starts %d forwards %d "
+                       "losses %d grads %d, in flight %s/%s, no IterationDone from %s", self.node_name, it,
+                       None if st is None else st.remaining, pending, len(self._starts), len(self._forwards),
+                       len(self._returns), len(self._grads),
+                       None if self.runtime is None else self.runtime.in_flight, self.memory_slots, missing)
 
     # ------------------------------------------------------------------ compute worker
     def _next_job(self):
@@ -949,9 +980,9 @@ class TrainerNode:
         """The microbatch's deadline budget; the first iteration this trainer runs gets
         ``first_iteration_deadline_factor`` times more (streams are opened, allocators warm up)."""
         budget = self.deadlines.microbatch_budget_s(route)
-        if self.history or self.current_iteration != self._first_iteration:
-            return budget
-        return budget * self.cfg.first_iteration_deadline_factor
+        if not (self.history or self.current_iteration != self._first_iteration):
+            budget *= self.cfg.first_iteration_deadline_factor
+        return min(budget, self.cfg.max_budget_fraction * self.cfg.iteration_timeout_s)
 
     def _key(self, mb) -> MbKey:
         return (mb.data_node, mb.epoch, mb.iteration, mb.index, mb.attempt)
@@ -969,8 +1000,8 @@ class TrainerNode:
         st = self._state(it)
         if attempt == 0:
             st.tokens += targets.numel()
-        self._pending[index] = _Pending(index, attempt, route,
-                                        time.monotonic() + self._budget_s(route))
+        now = time.monotonic()
+        self._pending[index] = _Pending(index, attempt, route, now + self._budget_s(route), started=now)
         frame = await self._compute(lambda: TensorFrame.from_tensor(self.runtime.start(key, inputs)))
         self._spawn(self._send_forward(ActivationMessage(mb, 1, route, frame)))
 
@@ -1131,11 +1162,20 @@ class TrainerNode:
     async def _watch_done(self, it: int) -> None:
         """Non-data nodes: notice a data node that is gone, so the iteration does not wait for it."""
         last_poll = time.monotonic()
+        next_report = time.monotonic() + self.cfg.stall_report_s
         while self._open and self.current_iteration == it and not self._closed:
-            st = self._iters.get(it)
-            if st is not None:
-                self._check_done(st)
-                last_poll = await self._maybe_done_from_norms(it, st, last_poll)
+            try:
+                st = self._iters.get(it)
+                if st is not None:
+                    self._check_done(st)
+                    last_poll = await self._maybe_done_from_norms(it, st, last_poll)
+                if time.monotonic() > next_report:
+                    next_report = time.monotonic() + self.cfg.stall_report_s
+                    self._report_stall(it)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - see _monitor
+                logger.exception("%s: iteration watch failed; going on", self.node_name)
             await asyncio.sleep(self.cfg.liveness_poll_s)
 
     async def _maybe_done_from_norms(self, it: int, st: _IterationState, last_poll: float) -> float:
