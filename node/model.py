@@ -177,9 +177,12 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, branch_scale: float = 1.0) -> torch.Tensor:
+        if branch_scale == 1.0:  # the training path: no extra multiply, bit-identical to the plain block
+            x = x + self.attn(self.attn_norm(x), cos, sin)
+            return x + self.mlp(self.mlp_norm(x))
+        x = x + branch_scale * self.attn(self.attn_norm(x), cos, sin)
+        return x + branch_scale * self.mlp(self.mlp_norm(x))
 
 
 class StageModule(nn.Module):
@@ -196,6 +199,11 @@ class StageModule(nn.Module):
         if not 0 <= stage < cfg.n_stages:
             raise UserError(f"stage {stage} out of range for a {cfg.n_stages}-stage model")
         self.cfg, self.stage = cfg, stage
+        #: residual-branch scale at inference (1.0 = the plain model). A stage that training visited
+        #: with probability p can be run with scale p at full depth, the stochastic-depth inference
+        #: rule: the residual stream then has the magnitude the later stages saw in training.
+        #: Not a parameter and not checkpointed: it is a choice of how to run the model.
+        self.branch_scale = 1.0
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers_per_stage))
         self.embedding: Optional[nn.Embedding] = None
         self.final_norm: Optional[RMSNorm] = None
@@ -212,7 +220,7 @@ class StageModule(nn.Module):
         cos, sin = rotary_tables(self.cfg.head_dim, torch.arange(t, device=hidden.device))
         cos, sin = cos.to(hidden.device), sin.to(hidden.device)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
+            hidden = layer(hidden, cos, sin, self.branch_scale)
         return hidden
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

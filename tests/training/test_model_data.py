@@ -129,3 +129,21 @@ def test_checkpoint_write_is_atomic(tmp_path):
     ck = store.load()
     assert ck.iteration == 5 and torch.equal(ck.state["w"], torch.full((3,), 2.0))
     assert os.listdir(store.path.parent) == [store.path.name]  # no temp files left behind
+
+
+def test_branch_scale_interpolates_between_skipping_and_the_plain_stage():
+    """branch_scale 1.0 is the plain stage, 0.0 turns a stage into the identity (the stage skipped),
+    and values in between shrink its residual update (the stochastic-depth inference rule)."""
+    cfg = model_config("tiny")
+    stage = build_stage(cfg, 2, seed=3)
+    x = torch.randn(2, 16, cfg.d_model)
+    with torch.no_grad():
+        plain = stage(x)
+        stage.branch_scale = 0.0
+        assert torch.equal(stage(x), x)
+        stage.branch_scale = 0.5
+        half = stage(x)
+        stage.branch_scale = 1.0
+        assert torch.equal(stage(x), plain)
+    assert 0 < (half - x).norm() < (plain - x).norm()
+    assert "branch_scale" not in stage.state_dict()
