@@ -46,6 +46,7 @@ class EvalOptions:
     corpus: Optional[str] = None
     seq_len: Optional[int] = None
     microbatch_size: Optional[int] = None
+    branch_scale: Optional[str] = None
 
 
 def _number(text: Optional[str], kind, flag: str):
@@ -111,6 +112,13 @@ def run_eval(opts: EvalOptions) -> Dict[str, Any]:
         if splits.vocab_size > m.config.vocab_size:
             raise UserError(f"tokenizer vocab {splits.vocab_size} exceeds the vocab {m.config.vocab_size} of {m.run_dir}")
     batches = validation_batches(splits, first, opts.batches)
+    scale = _number(opts.branch_scale, float, "--branch-scale")
+    if scale is not None:
+        if not (math.isfinite(scale) and 0.0 < scale <= 1.0):
+            raise UserError(f"--branch-scale must be in (0, 1], got {opts.branch_scale}")
+        for m in models:
+            for module in m.modules[1:]:
+                module.branch_scale = scale
     full = tuple(range(n_stages))
     rows: List[Dict[str, Any]] = []
     base: Dict[str, float] = {}
@@ -131,6 +139,7 @@ def run_eval(opts: EvalOptions) -> Dict[str, Any]:
                        "microbatch_size": first.microbatch_size, "seq_len": first.seq_len,
                        "tokens": sum(int(t.numel()) for _, t in batches)},
         "variant": kind,
+        "branch_scale": 1.0 if scale is None else scale,
         "rows": rows,
     }
     if kind == "random":
@@ -157,6 +166,8 @@ def format_table(report: Dict[str, Any]) -> str:
     v = report["validation"]
     lines.append(f"validation: {v['corpus']} ({v['tokenizer']}), {v['batches']} batches x {v['microbatch_size']} "
                  f"x {v['seq_len']} tokens = {v['tokens']} tokens")
+    if report.get("branch_scale", 1.0) != 1.0:
+        lines.append(f"residual branches of stages 1.. scaled by {report['branch_scale']:g} (--branch-scale)")
     labels = [c["label"] for c in report["checkpoints"]]
     header = ["kept stages", "omitted"]
     for label in labels:
@@ -191,7 +202,8 @@ def _handler(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     opts = EvalOptions(checkpoint=args.checkpoint, compare=args.compare, keep_stages=args.keep_stages,
                        omit_fraction=args.omit_fraction, trials=args.trials, seed=args.seed, batches=args.batches,
-                       corpus=args.corpus, seq_len=args.seq_len, microbatch_size=args.microbatch_size)
+                       corpus=args.corpus, seq_len=args.seq_len, microbatch_size=args.microbatch_size,
+                       branch_scale=args.branch_scale)
     report = run_eval(opts)
     if args.json:
         json.dump(report, sys.stdout, indent=1)
@@ -223,5 +235,9 @@ def register(subparsers) -> None:
     p.add_argument("--corpus", default=None, help="validation corpus (default: the one the checkpoint records)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: recorded, else context)")
     p.add_argument("--microbatch-size", type=int, default=None, help="sequences per batch (default: recorded, else 8)")
+    p.add_argument("--branch-scale", metavar="P", default=None,
+                   help="run stages 1.. with their residual branches scaled by P in (0, 1]: the stochastic-depth "
+                        "inference rule for a skip-trained model, P = the share of microbatches that visited each "
+                        "stage, (path_length - 1) / (stages - 1); 0.6 for paths of 4 of 6 stages (default 1: off)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.set_defaults(func=_handler)

@@ -57,6 +57,8 @@ def test_table_output(capsys, trained):
     (["--omit-fraction", "half"], "number"),
     (["--omit-fraction", "0.5", "--keep-stages", "0,1"], "not both"),
     (["--trials", "3"], "--omit-fraction"),
+    (["--branch-scale", "0"], "(0, 1]"),
+    (["--branch-scale", "x"], "number"),
 ])
 def test_user_errors_are_one_line(capsys, trained, argv, needle):
     if argv and argv[0] != "--checkpoint":
@@ -76,3 +78,13 @@ def test_corrupt_checkpoint_is_one_line(capsys, tmp_path, trained):
     (copy / "stage1" / "path-trainer.pt").write_bytes(b"not a checkpoint")
     rc, _, err = _run(capsys, "--checkpoint", str(copy))
     assert rc != 0 and len(err.strip().splitlines()) == 1 and "corrupt" in err
+
+
+def test_branch_scale_changes_the_full_model_and_is_reported(capsys, trained):
+    rc, out, _ = _run(capsys, "--checkpoint", str(trained[1]), "--json", "--batches", "2")
+    plain = json.loads(out)
+    rc2, out2, _ = _run(capsys, "--checkpoint", str(trained[1]), "--json", "--batches", "2", "--branch-scale", "0.6")
+    scaled = json.loads(out2)
+    assert rc == rc2 == 0
+    assert plain["branch_scale"] == 1.0 and scaled["branch_scale"] == 0.6
+    assert scaled["rows"][0]["results"]["A"]["loss"] != plain["rows"][0]["results"]["A"]["loss"]
