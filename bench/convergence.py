@@ -295,6 +295,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "final_loss_gap_pct": gap_pct, "final_perplexity_gap_pct": ppl_gap_pct,
         "stage_compute_ratio_skip_vs_full": s.layer_visits_per_iteration / f.layer_visits_per_iteration,
     }
+    if s.depth_scaled_val_loss is not None:
+        result["skip_depth_scaled"] = {"branch_scale": s.branch_scale, "val_loss": s.depth_scaled_val_loss,
+                                       "loss_gap_pct": (s.depth_scaled_val_loss / f.val_loss[-1] - 1.0) * 100.0}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "convergence.json").write_text(json.dumps(result, indent=1))
     plotted = _plot(runs, args.out / "convergence.png",
@@ -302,10 +305,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"final validation loss: full {f.val_loss[-1]:.4f}, skip {s.val_loss[-1]:.4f}; "
           f"gap {gap_pct:+.2f}% in loss, {ppl_gap_pct:+.2f}% in perplexity")
     if s.depth_scaled_val_loss is not None:
-        scaled_gap = (s.depth_scaled_val_loss / f.val_loss[-1] - 1.0) * 100.0
-        result["skip_depth_scaled"] = {"branch_scale": s.branch_scale, "val_loss": s.depth_scaled_val_loss,
-                                       "loss_gap_pct": scaled_gap}
-        (args.out / "convergence.json").write_text(json.dumps(result, indent=1))
+        scaled_gap = result["skip_depth_scaled"]["loss_gap_pct"]
         print(f"skip model at full depth with residual branches of stages 1.. scaled by their visit share "
               f"{s.branch_scale:.3f} (stochastic-depth inference rule): {s.depth_scaled_val_loss:.4f}, "
               f"gap {scaled_gap:+.2f}% in loss")

@@ -855,22 +855,26 @@ class TrainerNode:
                     self._send_control(peer, done)
 
     async def _monitor(self, it: int) -> None:
-        """Data node: fail microbatches past their deadline or routed through a node that is gone."""
+        """Until iteration ``it`` closes: a data node fails its microbatches past their deadline or
+        routed through a node that is gone; every node notices data nodes that are gone or done
+        (their norm records); an iteration open for long logs what it waits for."""
         last_poll = time.monotonic()
-        next_report = time.monotonic() + self.cfg.stall_report_s
+        next_report = last_poll + self.cfg.stall_report_s
         while self._open and self.current_iteration == it and not self._closed:
             now = time.monotonic()
             try:
-                for p in list(self._pending.values()):
-                    dead = [r for r in p.route if not self.is_alive(r)]
-                    if dead:
-                        self._fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
-                    elif now > p.deadline:
-                        self._fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
+                if self.is_data_node:
+                    for p in list(self._pending.values()):
+                        dead = [r for r in p.route if not self.is_alive(r)]
+                        if dead:
+                            self._fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
+                        elif now > p.deadline:
+                            self._fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
                 st = self._iters.get(it)
                 if st is not None:
                     self._check_done(st)
-                    if st.remaining <= 0:  # ours are done: wait for the other data nodes
+                    # a data node waits for the others once its own microbatches are done
+                    if not self.is_data_node or st.remaining <= 0:
                         last_poll = await self._maybe_done_from_norms(it, st, last_poll)
                 if now > next_report:
                     next_report = now + self.cfg.stall_report_s
@@ -1086,9 +1090,7 @@ class TrainerNode:
                 if not all(self.usable(r) for r in route):
                     route = self._fresh_route(j) or route
                 self._starts.append((j, 0, route))
-            self._monitor_task = asyncio.create_task(self._monitor(it), name=f"trainer-monitor-{self.node_name}")
-        else:
-            self._monitor_task = asyncio.create_task(self._watch_done(it), name=f"trainer-watch-{self.node_name}")
+        self._monitor_task = asyncio.create_task(self._monitor(it), name=f"trainer-monitor-{self.node_name}")
         for msg in self._early.pop(it, []):
             self._enqueue(msg)
         self._wakeup.set()
@@ -1160,25 +1162,6 @@ class TrainerNode:
         if self.on_iteration is not None:
             self.on_iteration(stats)
         return stats
-
-    async def _watch_done(self, it: int) -> None:
-        """Non-data nodes: notice a data node that is gone, so the iteration does not wait for it."""
-        last_poll = time.monotonic()
-        next_report = time.monotonic() + self.cfg.stall_report_s
-        while self._open and self.current_iteration == it and not self._closed:
-            try:
-                st = self._iters.get(it)
-                if st is not None:
-                    self._check_done(st)
-                    last_poll = await self._maybe_done_from_norms(it, st, last_poll)
-                if time.monotonic() > next_report:
-                    next_report = time.monotonic() + self.cfg.stall_report_s
-                    self._report_stall(it)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - see _monitor
-                logger.exception("%s: iteration watch failed; going on", self.node_name)
-            await asyncio.sleep(self.cfg.liveness_poll_s)
 
     async def _maybe_done_from_norms(self, it: int, st: _IterationState, last_poll: float) -> float:
         """A data node publishes its gradient norm only after its microbatches are done, so its norm
