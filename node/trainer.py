@@ -1770,6 +1770,9 @@ class TrainerService:
                     logger.info("not draining: %s", reason)
                     break
                 await asyncio.wait([self._task], timeout=0.5)
+            if self._task.done() and self.trainer.left is None:
+                logger.info("draining ended: training reached its last iteration before an epoch "
+                            "without this node started")
         if self.trainer is not None:
             self.trainer.request_stop()
         if self._task is not None and not self._task.done():

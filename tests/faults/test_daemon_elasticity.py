@@ -23,11 +23,16 @@ import torch
 from node.checkpoint import CheckpointStore
 from node.commands.swarm_cmd import fetch_status, format_status
 from node.local_swarm import LocalSwarm
-from tests.faults.daemon_helpers import train_args, wait_for
+from tests.faults.daemon_helpers import train_args, training_state, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-ITERATIONS = 80
+# Long enough that the leave lands mid-run: a joiner's start (process, DHT, state download) costs
+# about 70 iterations of this tiny model on a loaded 2-core machine, and a drain needs up to 60 s
+# (--drain-timeout) of training left after the SIGTERM. Both scale with the machine's speed.
+ITERATIONS = 200
+# iterations that must be left when the SIGTERM is sent, or the drain cannot finish before the end
+LEAVE_MARGIN = 40
 
 
 def test_join_with_state_download_then_graceful_leave(tmp_path):
@@ -56,6 +61,9 @@ def test_join_with_state_download_then_graceful_leave(tmp_path):
 
         # 2. graceful leave of a stage-1 replica (its stage keeps node 2)
         leaver = swarm.nodes[3]
+        now = training_state(leaver)
+        assert now is not None and now["committed_iteration"] < ITERATIONS - LEAVE_MARGIN, (
+            f"too late for a mid-run leave: iteration {now and now['committed_iteration']} of {ITERATIONS}")
         swarm.kill(3, signal.SIGTERM)
         leaver.proc.wait(timeout=200)
         assert leaver.proc.returncode == 0, swarm.last_error(leaver)
