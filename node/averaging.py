@@ -24,13 +24,13 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Awaitable, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from node.compat import import_hivemind
 
-__all__ = ["AveragingConfig", "StageAverager", "averager_prefix"]
+__all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,40 @@ class AveragingConfig:
     min_matchmaking_time_s: float = 5.0
     request_timeout_s: float = 3.0
     allreduce_timeout_s: float = 60.0
+    #: one hivemind step's time limit; a round is a series of such windows (see
+    #: StageAverager.average). After each window without a group the replica checks whether its
+    #: groupmates went on without it, so this bounds what a round nobody else joins costs. Two
+    #: matchmaking periods: long enough that a groupmate arriving a little later is still met
+    #: in the same window, short next to ``matchmaking_timeout_s``
+    round_window_s: float = 10.0
 
 
 #: Smallest weight a replica averages with (see StageAverager.average).
 MIN_WEIGHT = 1e-6
+
+
+def groupmates_went_on(me: str, groupmates: Sequence[str], records: Dict[str, dict], epoch: int,
+                       alive: Callable[[str], bool]) -> bool:
+    """True when no groupmate can still be in an averaging round with ``me``.
+
+    ``records`` are the iteration's published norm records (peer id -> record); a replica
+    publishes its record right after its round, with ``avg_group`` = the peers it averaged with
+    (empty when it skipped or failed the round). A groupmate can still be averaging with us if it
+    is alive and has no record yet, or if its record names us (our round completed on its side,
+    so our result is on the way). Records of another epoch belong to another averaging group.
+    A record without ``avg_group`` is not understood, so it never lets us give up."""
+    for peer in groupmates:
+        if peer == me or not alive(peer):
+            continue
+        record = records.get(peer)
+        if record is None:
+            return False  # still working or still averaging: maybe with us
+        if int(record.get("epoch", epoch)) != epoch:
+            continue  # another epoch's prefix: it cannot be in our group
+        group = record.get("avg_group")
+        if group is None or me in group:
+            return False
+    return True
 
 
 def averager_prefix(run_id: str, stage: int, epoch: int) -> str:
@@ -81,9 +111,14 @@ class StageAverager:
             allow_state_sharing=False,
         )
         self._started = False
+        self.last_group: tuple = ()
 
     async def start(self) -> None:
         """Fork the averager process without blocking the loop for long; keep our SIGINT handler."""
+        # a window without a group is routine here (see average), but hivemind logs each one as
+        # an error with a traceback from the averager process; our own warning says when a whole
+        # round failed. Set before the fork, so the averager process inherits it.
+        logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
         previous = signal.getsignal(signal.SIGINT)
         try:
             self._avg.run_in_background(await_ready=False)
@@ -93,26 +128,49 @@ class StageAverager:
         self._started = True
         logger.debug("averager %s ready (group of %d)", self.prefix, self.group_size)
 
-    async def average(self, tensors: List[torch.Tensor], weight: float) -> bool:
-        """Replace ``tensors`` in place by the group's weighted mean; False if the round failed."""
+    async def average(self, tensors: List[torch.Tensor], weight: float,
+                      abandon_when: Optional[Callable[[], Awaitable[bool]]] = None) -> bool:
+        """Replace ``tensors`` in place by the group's weighted mean; False if the round failed.
+
+        The round runs as hivemind steps of at most ``round_window_s`` each, until one finds the
+        group or ``matchmaking_timeout_s`` is spent. Between two windows ``abandon_when`` is
+        asked, and True ends the round as failed. Why: two replicas can disagree about whether
+        the other is alive (a late advert refresh on a loaded host). The one that thinks its
+        partner gone skips the round and goes on; without this the other would wait the whole
+        matchmaking timeout for a group that cannot form. (Cancelling a running hivemind step is
+        not an option: hivemind 1.1.12 retries a cancelled step until its deadline, and the next
+        round queues behind it.) After a successful round :attr:`last_group` holds the peer ids
+        the round averaged with, this one included."""
         assert self._started, "call start() first"
-        with self._avg.get_tensors() as buffers:
-            for buf, t in zip(buffers, tensors):
-                buf.copy_(t.detach().cpu())
+        self.last_group = ()
         # hivemind divides by the sum of the group's weights: if no replica was visited this
         # iteration all weights would be 0 and the mean 0/0 = NaN; a tiny floor gives the zero
         # gradient of unvisited replicas instead and is negligible next to one visit
         weight = max(float(weight), MIN_WEIGHT)
-        try:
-            # on the loop thread: the returned MPFuture binds to the loop that creates it (blocks ~ms)
-            control = self._avg.step(weight=float(weight), wait=False, timeout=self.cfg.matchmaking_timeout_s)
-            result = await control
-        except Exception as e:  # hivemind raises assorted errors on failed rounds
-            logger.warning("averaging round of %s failed: %r", self.prefix, e)
-            return False
-        if result is None:
-            logger.warning("averaging round of %s found no group", self.prefix)
-            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.matchmaking_timeout_s
+        while True:
+            # every window starts from our own values (a failed all-reduce may have written some parts)
+            with self._avg.get_tensors() as buffers:
+                for buf, t in zip(buffers, tensors):
+                    buf.copy_(t.detach().cpu())
+            window = max(0.0, min(self.cfg.round_window_s, deadline - loop.time()))
+            try:
+                # on the loop thread: the returned MPFuture binds to the loop that creates it (blocks ~ms)
+                result = await self._avg.step(weight=weight, wait=False, timeout=window)
+                error = None if result is not None else "found no group"
+            except Exception as e:  # hivemind raises assorted errors on failed rounds
+                result, error = None, repr(e)
+            if result is not None:
+                break
+            if loop.time() >= deadline:
+                logger.warning("averaging round of %s failed: %s", self.prefix, error)
+                return False
+            if abandon_when is not None and await abandon_when():
+                logger.warning("averaging round of %s abandoned: the groupmates went on without this replica",
+                               self.prefix)
+                return False
+            logger.debug("averaging window of %s ended without a group (%s); trying again", self.prefix, error)
         with self._avg.get_tensors() as buffers:
             if not all(bool(torch.isfinite(buf).all()) for buf in buffers):
                 # never let a bad round poison the stage: keep our own gradient instead
@@ -121,6 +179,7 @@ class StageAverager:
                 return False
             for buf, t in zip(buffers, tensors):
                 t.copy_(buf.to(t.device))
+        self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
         return True
 
     def shutdown(self) -> None:

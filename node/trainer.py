@@ -42,7 +42,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from node.averaging import AveragingConfig, StageAverager, averager_prefix
+from node.averaging import AveragingConfig, StageAverager, averager_prefix, groupmates_went_on
 from node.checkpoint import CheckpointStore
 from node.data import DataConfig, DataShard, TokenSplits, load_splits
 from node.deadlines import DeadlineConfig
@@ -1113,10 +1113,11 @@ class TrainerNode:
         dropped = sum(int(d.dropped) for d in st.done.values())
 
         t_mb = time.perf_counter()
-        averaged = await self._average(st)
+        averaged = await self._average(it)
         t_avg = time.perf_counter()
         loss_sum = float(sum(st.losses))
         record = {"stage": self.stage, "sq": self.runtime.grad_squared_norm(), "loss_sum": loss_sum,
+                  "avg_group": list(self.averager.last_group) if averaged and self.averager is not None else [],
                   "n_mb": len(st.losses), "tokens": st.tokens if self.is_data_node else 0,
                   "checksum": self.runtime.checksum(), "dropped": st.dropped if self.is_data_node else 0}
         records = await self._exchange_norms(it, record)
@@ -1220,14 +1221,27 @@ class TrainerNode:
         await self._compute(load)
         self.resyncs += 1
 
-    async def _average(self, st: _IterationState) -> Optional[bool]:
+    async def _average(self, it: int) -> Optional[bool]:
         assert self.runtime is not None
         group = [self.members[n] for n in self.plan.replicas(self.stage)]
         live = [p for p in group if self.is_alive(p)]
         self.runtime.mean_grads()
         if self.averager is None or len(live) < 2:
+            if self.averager is not None:
+                logger.warning("%s: stage %d averaging skipped at iteration %d: no other replica in the view (%s)",
+                               self.node_name, self.stage, it,
+                               ", ".join(p[-8:] for p in group if p != self.peer_id))
             return None
-        ok = await self.averager.average(self.runtime.grads(), weight=float(self.runtime.visits))
+        epoch = self.epoch.epoch
+
+        async def groupmates_gone_on() -> bool:
+            res = await self.dht.get(norm_key(self.cfg.run_id, it), latest=True, return_future=True)
+            records = {str(k): v.value for k, v in res.value.items() if isinstance(v.value, dict)} \
+                if res is not None and isinstance(res.value, dict) else {}
+            return groupmates_went_on(self.peer_id, group, records, epoch, self.is_alive)
+
+        ok = await self.averager.average(self.runtime.grads(), weight=float(self.runtime.visits),
+                                         abandon_when=groupmates_gone_on)
         if not ok:
             logger.warning("%s: stage %d averaging failed; stepping with the local mean gradient (replicas are "
                            "re-synced by checksum next iteration)", self.node_name, self.stage)

@@ -1,0 +1,131 @@
+"""A replica whose groupmates went on without it gives its averaging round up instead of waiting.
+
+Seen on `skippipe up` (2026-12-03): under load one data node's view briefly lost the other (a late
+advert refresh), so it skipped the stage-0 round and went on, while the other waited hivemind's
+whole 60 s matchmaking timeout for a group that could not form. Now a replica polls the
+iteration's norm records while it matchmakes and abandons the round once every live groupmate has
+published a record that does not name it.
+"""
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from node.averaging import AveragingConfig, StageAverager, groupmates_went_on
+from node.commands.up import LocalSwarm, build_schedule
+from node.compat import import_hivemind
+from node.model import model_config
+from node.stage_runtime import OptimConfig
+from node.trainer import TrainerConfig
+from node.data import DataConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+#: short windows (the test's own clock), and a round limit far above the tests' timeout: a round
+#: that is not abandoned makes the test fail by timing out
+QUICK = AveragingConfig(min_matchmaking_time_s=1.0, request_timeout_s=0.5, round_window_s=2.0,
+                        matchmaking_timeout_s=900.0)
+#: the trainer's defaults, but a round that is not abandoned outlives the test
+NEVER = AveragingConfig(matchmaking_timeout_s=900.0)
+
+
+# ---------------------------------------------------------------- the rule (pure)
+def _alive(*dead):
+    return lambda p: p not in dead
+
+
+@pytest.mark.parametrize("records, dead, went_on", [
+    ({}, (), False),                                                        # B has not published: maybe averaging with us
+    ({"B": {"epoch": 1, "avg_group": []}}, (), True),                       # B skipped the round
+    ({"B": {"epoch": 1, "avg_group": ["A", "B"]}}, (), False),              # B averaged with us: our result is coming
+    ({"B": {"epoch": 1}}, (), False),                                       # a record we cannot read never lets us go
+    ({"B": {"epoch": 2, "avg_group": ["A", "B"]}}, (), True),               # another epoch: another group
+    ({}, ("B",), True),                                                     # B is gone
+])
+def test_group_of_two(records, dead, went_on):
+    assert groupmates_went_on("A", ["A", "B"], records, 1, _alive(*dead)) is went_on
+
+
+def test_group_of_three_needs_every_groupmate_gone_on():
+    both = {"B": {"epoch": 1, "avg_group": ["B", "C"]}, "C": {"epoch": 1, "avg_group": ["B", "C"]}}
+    assert groupmates_went_on("A", ["A", "B", "C"], both, 1, _alive())            # B and C averaged without A
+    assert not groupmates_went_on("A", ["A", "B", "C"], {"B": both["B"]}, 1, _alive())  # C may still come
+    assert groupmates_went_on("A", ["A", "B", "C"], {"B": both["B"]}, 1, _alive("C"))
+
+
+# ---------------------------------------------------------------- real averagers on a real DHT
+async def test_windows_meet_a_late_groupmate_and_an_abandoned_round_keeps_the_local_gradient(caplog):
+    hivemind = import_hivemind()
+    loop = asyncio.get_running_loop()
+    first = await loop.run_in_executor(None, lambda: hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    maddrs = [str(a) for a in first.get_visible_maddrs()]
+    second = await loop.run_in_executor(None, lambda: hivemind.DHT(
+        start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    like = [torch.zeros(3)]
+    a = StageAverager(first, like, prefix="abandon_stage0_epoch0", group_size=2, cfg=QUICK)
+    b = StageAverager(second, like, prefix="abandon_stage0_epoch0", group_size=2, cfg=QUICK)
+    try:
+        await a.start()
+        await b.start()
+        # B starts two windows after A: A's first window ends without a group, a later one meets B
+        checks = []
+
+        async def not_yet() -> bool:
+            checks.append(1)
+            return False
+
+        async def late(tensors):
+            await asyncio.sleep(2 * QUICK.round_window_s)
+            return await b.average(tensors, weight=1.0)
+
+        ta, tb = [torch.full((3,), 1.0)], [torch.full((3,), 4.0)]
+        ok = await asyncio.gather(a.average(ta, weight=2.0, abandon_when=not_yet), late(tb))
+        assert ok == [True, True] and checks, "A must have needed more than one window"
+        assert torch.allclose(ta[0], torch.full((3,), 2.0)) and torch.allclose(tb[0], ta[0])
+        assert set(a.last_group) == set(b.last_group) == {str(first.peer_id), str(second.peer_id)}
+
+        # B "went on": A is alone, and the check says so after its second window
+        async def gone_on() -> bool:
+            checks.append(1)
+            return len(checks) >= before + 2
+
+        before = len(checks)
+        mine = [torch.full((3,), 7.0)]
+        with caplog.at_level(logging.WARNING, logger="node.averaging"):
+            assert await a.average(mine, weight=1.0, abandon_when=gone_on) is False
+        assert len(checks) == before + 2 and "abandoned" in caplog.text
+        assert torch.equal(mine[0], torch.full((3,), 7.0)) and a.last_group == ()
+
+        # nothing of the abandoned round is left behind: the next round of both completes
+        ta, tb = [torch.full((3,), 3.0)], [torch.full((3,), 5.0)]
+        ok = await asyncio.gather(a.average(ta, weight=1.0), b.average(tb, weight=1.0))
+        assert ok == [True, True] and torch.allclose(ta[0], torch.full((3,), 4.0))
+    finally:
+        for x in (a, b):
+            await loop.run_in_executor(None, x.shutdown)
+        for d in (second, first):
+            await loop.run_in_executor(None, d.shutdown)
+
+
+# ---------------------------------------------------------------- a swarm whose view flaps
+async def test_view_flap_costs_a_resync_not_the_matchmaking_timeout(splits):
+    """Data node 0 loses data node 1 from its view during iteration 1 (injected), so it skips the
+    stage-0 round; data node 1 must give its round up, and both replicas agree again after the
+    re-sync of the next iteration."""
+    schedule = build_schedule(6, data_nodes=2, replicas=[1] * 5, path_length=6, microbatches=2, memory=2)
+    cfg = TrainerConfig(run_id="flap", model=model_config("tiny"), optim=OptimConfig(lr=3e-3),
+                        data=DataConfig(microbatch_size=4), averaging=NEVER)
+    async with LocalSwarm(schedule, cfg, splits) as swarm:
+        node0, node1 = swarm.nodes[0], swarm.nodes[1]
+        hidden = node1.peer_id
+        node0._alive = lambda p: swarm.is_alive(p) and not (p == hidden and node0.current_iteration == 1)
+        await swarm.train(4)
+        h0 = {s.iteration: s.averaged for s in node0.history}
+        h1 = {s.iteration: s.averaged for s in node1.history}
+        gap = max(float((p.detach() - q.detach()).abs().max()) for p, q in
+                  zip(node0.runtime.module.parameters(), node1.runtime.module.parameters()))
+    assert h0 == {0: True, 1: None, 2: True, 3: True}, h0
+    assert h1 == {0: True, 1: False, 2: True, 3: True}, h1
+    assert gap <= 1e-5, gap
