@@ -96,7 +96,11 @@ class TrainerConfig:
     memory_deadlock_grace_s: float = 5.0
     iteration_timeout_s: float = 600.0
     norm_exchange_timeout_s: float = 120.0
+    #: the norm exchange polls the DHT for the members' records, first after ``norm_poll_s``, then
+    #: at intervals doubling up to ``norm_poll_max_s``. Each poll is a ``latest=True`` DHT read that
+    #: asks other peers; a fixed 20 ms poll on 9 daemons sharing 2 cores was a load of its own
     norm_poll_s: float = 0.02
+    norm_poll_max_s: float = 0.25
     norm_record_ttl_s: float = 300.0
     #: per-hop budgets from the cost model (node.deadlines); the data node fails a microbatch past them
     deadlines: DeadlineConfig = DeadlineConfig()
@@ -1307,6 +1311,7 @@ class TrainerNode:
                              subkey=self.peer_id, return_future=True)
         deadline = time.monotonic() + self.cfg.norm_exchange_timeout_s
         found: Dict[str, dict] = {}
+        poll = self.cfg.norm_poll_s
         while True:
             res = await self.dht.get(key, latest=True, return_future=True)
             if res is not None and isinstance(res.value, dict):
@@ -1331,7 +1336,8 @@ class TrainerNode:
                     if ahead > mine and ahead not in self._offered:
                         await self._catch_up_epochs(ahead)
                 return {p: r for p, r in found.items() if int(r.get("epoch", mine)) == mine}
-            await asyncio.sleep(self.cfg.norm_poll_s)
+            await asyncio.sleep(poll)
+            poll = min(2 * poll, max(self.cfg.norm_poll_s, self.cfg.norm_poll_max_s))
 
     def _global_squared_norm(self, records: Dict[str, dict]) -> float:
         per_stage: Dict[int, Tuple[str, float]] = {}
