@@ -1177,14 +1177,13 @@ class TrainerNode:
         if st.all_done.is_set() or now - last_poll < self.cfg.done_poll_s:
             return last_poll
         with contextlib.suppress(Exception):
-            res = await self.dht.get(norm_key(self.cfg.run_id, it), latest=True, return_future=True)
-            if res is not None and isinstance(res.value, dict):
-                for peer, v in res.value.items():
-                    peer = str(peer)
-                    if peer in self.data_node_peers and peer not in st.done and isinstance(v.value, dict):
+            records = await self._norm_records(it)
+            if records is not None:
+                for peer, r in records.items():
+                    if peer in self.data_node_peers and peer not in st.done:
                         logger.info("%s: iteration %d of data node %s is done (its norm record; no IterationDone "
                                     "reached us)", self.node_name, it, peer[-8:])
-                        st.done[peer] = _DoneFromNorm(int(v.value.get("dropped", 0)))
+                        st.done[peer] = _DoneFromNorm(int(r.get("dropped", 0)))
                 self._check_done(st)
         return time.monotonic()
 
@@ -1239,10 +1238,7 @@ class TrainerNode:
         epoch = self.epoch.epoch
 
         async def groupmates_gone_on() -> bool:
-            res = await self.dht.get(norm_key(self.cfg.run_id, it), latest=True, return_future=True)
-            records = {str(k): v.value for k, v in res.value.items() if isinstance(v.value, dict)} \
-                if res is not None and isinstance(res.value, dict) else {}
-            return groupmates_went_on(self.peer_id, group, records, epoch, self.is_alive)
+            return groupmates_went_on(self.peer_id, group, await self._norm_records(it) or {}, epoch, self.is_alive)
 
         ok = await self.averager.average(self.runtime.grads(), weight=float(self.runtime.visits),
                                          abandon_when=groupmates_gone_on)
@@ -1291,6 +1287,14 @@ class TrainerNode:
             logger.warning("%s: members train on schedule epoch %d, which this node cannot find yet", self.node_name,
                            ahead)
 
+    async def _norm_records(self, it: int) -> Optional[Dict[str, dict]]:
+        """Iteration ``it``'s norm records of the members (peer id -> record), read from the DHT;
+        None when the read found nothing (a miss under load is not "nobody published")."""
+        res = await self.dht.get(norm_key(self.cfg.run_id, it), latest=True, return_future=True)
+        if res is None or not isinstance(res.value, dict):
+            return None
+        return {str(k): v.value for k, v in res.value.items() if str(k) in self.members and isinstance(v.value, dict)}
+
     async def _exchange_norms(self, it: int, record: dict) -> Dict[str, dict]:
         """Publish our record for iteration ``it`` and collect every member's.
 
@@ -1313,10 +1317,7 @@ class TrainerNode:
         found: Dict[str, dict] = {}
         poll = self.cfg.norm_poll_s
         while True:
-            res = await self.dht.get(key, latest=True, return_future=True)
-            if res is not None and isinstance(res.value, dict):
-                found = {str(k): v.value for k, v in res.value.items()
-                         if str(k) in self.members and isinstance(v.value, dict)}
+            found = await self._norm_records(it) or found
             done = all(p in found or not self.is_alive(p) for p in self.members)
             if not done and time.monotonic() > deadline:
                 missing = [p for p in self.members if p not in found and self.is_alive(p)]
