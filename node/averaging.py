@@ -166,7 +166,7 @@ class StageAverager:
             if loop.time() >= deadline:
                 logger.warning("averaging round of %s failed: %s", self.prefix, error)
                 return False
-            if abandon_when is not None and await abandon_when():
+            if abandon_when is not None and await self._ask(abandon_when):
                 logger.warning("averaging round of %s abandoned: the groupmates went on without this replica",
                                self.prefix)
                 return False
@@ -181,6 +181,15 @@ class StageAverager:
                 t.copy_(buf.to(t.device))
         self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
         return True
+
+    async def _ask(self, abandon_when: Callable[[], Awaitable[bool]]) -> bool:
+        """``abandon_when()``, where a failed check (a DHT read timing out under load) means "not
+        yet": the round goes on to its next window instead of failing the iteration."""
+        try:
+            return bool(await abandon_when())
+        except Exception as e:  # noqa: BLE001 - any failure of the check is a "don't know"
+            logger.debug("give-up check of %s failed: %r; trying another window", self.prefix, e)
+            return False
 
     def shutdown(self) -> None:
         """Blocking (up to hivemind's 5 s grace, then kill): call it from an executor thread."""
