@@ -9,9 +9,16 @@ Ordering per neighbour is preserved (one writer lock per stream); a broken strea
 once before the send fails. The receive side only decodes and hands the message to a callback
 that must not block (the trainer enqueues it), so the sender is never stalled by our compute.
 
-WAN emulation (off unless a :class:`node.link_emulation.LinkEmulator` is passed): before a frame
-to a peer is written, the sender waits until the emulated link would have delivered it (latency +
-bytes / bandwidth, concurrent sends to one peer serialised), so the receiver never sees it earlier.
+WAN emulation (off unless a :class:`node.link_emulation.LinkEmulator` is passed): every frame is
+planned on its emulated link (latency + bytes / bandwidth, concurrent sends to one peer serialised).
+Activations and gradients are stamped with the planned delivery time and sent at once; the
+receiver holds them until that time, so the real transport runs inside the emulated delay (see
+:mod:`node.link_emulation`) and the receiver never sees them earlier. Control messages are sent
+after the sender has waited out the plan. A stamp is honoured only by a node that emulates too
+(emulation is a swarm-wide setting: a production node never holds a frame for a peer's say-so),
+and never for longer than :data:`MAX_EMULATED_HOLD_S`. A stamped frame that arrives after its
+delivery time counts in :attr:`DataPlane.late_frames` / :attr:`DataPlane.late_s`: the host was too
+slow to keep up with the emulated link.
 
 Hostile input (any peer may open a stream to our handler): a frame passes, in this order,
 
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -57,6 +65,7 @@ __all__ = [
     "DEFAULT_FRAME_BURST",
     "REJECT_LOG_EVERY",
     "MAX_STREAMS_PER_PEER",
+    "MAX_EMULATED_HOLD_S",
 ]
 
 logger = logging.getLogger(__name__)
@@ -80,6 +89,10 @@ REJECT_LOG_EVERY = 100
 #: stream to us (briefly two while it replaces a broken one); each stream may buffer a frame of up
 #: to the size cap, so the count bounds the memory one peer can tie up.
 MAX_STREAMS_PER_PEER = 8
+#: Longest a receiver holds a frame for its emulated delivery time. The slowest link of the
+#: geo-distributed profile moves a paper-sized activation in ~26 s (scaled), a queue of a few of
+#: them takes minutes at most; a stamp further out is a clock problem and is cut to this.
+MAX_EMULATED_HOLD_S = 120.0
 #: (peer, reason) pairs whose counts are kept for log throttling; the table is reset beyond it.
 _MAX_LOG_KEYS = 4096
 #: Rejection reasons decided here (the guard adds its own, see node.dataplane_guard.REASONS).
@@ -143,6 +156,10 @@ class DataPlane:
         self._reject_counts: Dict[Tuple[str, str], int] = {}
         self.max_streams_per_peer = max_streams_per_peer
         self._streams: collections.Counter = collections.Counter()  # open incoming streams per peer
+        self._held: set = set()  # tasks holding frames until their emulated delivery time
+        #: stamped frames that arrived after their emulated delivery time, and by how much in total
+        self.late_frames = 0
+        self.late_s = 0.0
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.name, self._handle_stream)
@@ -249,13 +266,13 @@ class DataPlane:
                         self._reject(sender, reason, detail)
                         continue
                 self._record_hop(sender, msg, len(data), "in", None)
-                try:
-                    await self._deliver(msg, sender)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # noqa: BLE001 - one bad message must not end this peer's stream
-                    if self._occurrence(sender, "handler_error") is not None:
-                        logger.exception("data plane: handling %s from %s failed", type(msg).__name__, sender[-8:])
+                hold = self._hold_s(msg)
+                if hold > 0:
+                    held = asyncio.create_task(self._deliver_after(hold, msg, sender))
+                    self._held.add(held)
+                    held.add_done_callback(self._held.discard)
+                    continue
+                await self._deliver_guarded(msg, sender)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -267,16 +284,49 @@ class DataPlane:
                 del self._streams[sender]
             writer.close()
 
+    def _hold_s(self, msg: object) -> float:
+        """Seconds to hold ``msg`` for its emulated delivery time (0: deliver now); counts late frames."""
+        when = getattr(msg, "deliver_at_unix", None)
+        if when is None or self.emulator is None:
+            return 0.0
+        hold = when - time.time()
+        if hold < 0:
+            self.late_frames += 1
+            self.late_s += -hold
+        return min(hold, MAX_EMULATED_HOLD_S)
+
+    async def _deliver_after(self, delay_s: float, msg: object, sender: str) -> None:
+        await asyncio.sleep(delay_s)
+        await self._deliver_guarded(msg, sender)
+
+    async def _deliver_guarded(self, msg: object, sender: str) -> None:
+        try:
+            await self._deliver(msg, sender)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - one bad message must not end this peer's stream
+            if self._occurrence(sender, "handler_error") is not None:
+                logger.exception("data plane: handling %s from %s failed", type(msg).__name__, sender[-8:])
+
+    def _encode(self, peer: str, msg: object) -> bytes:
+        """The frame for ``msg``; a hop message to an emulated link carries its delivery time."""
+        data = encode(msg)
+        if self.emulator is not None and isinstance(msg, (ActivationMessage, GradientMessage)):
+            when = self.emulator.deliver_at_unix(peer, len(data))
+            if when is not None:
+                data = encode(dataclasses.replace(msg, deliver_at_unix=when))
+        return data
+
     async def send(self, peer: str, msg: object) -> None:
         """Deliver one message; to ourselves it is handed over without touching the network."""
         if peer == self.peer_id:
             await self._deliver(msg, peer)
             return
         hivemind = import_hivemind()
-        data = encode(msg)
         t0 = time.monotonic()
-        if self.emulator is not None:
-            # reserve the emulated link now (in send order), wait out its delivery time, then write
+        data = self._encode(peer, msg)
+        if self.emulator is not None and not isinstance(msg, (ActivationMessage, GradientMessage)):
+            # control message: reserve the emulated link now (in send order), wait out its delivery, then write
             await self.emulator.transmit(peer, len(data))
         out = self._out.setdefault(peer, _Outgoing())
         async with out.lock:
@@ -298,6 +348,8 @@ class DataPlane:
                     logger.debug("stream to %s broke (%r); reopening", peer[-8:], e)
 
     async def close(self) -> None:
+        for held in list(self._held):
+            held.cancel()
         for out in self._out.values():
             if out.writer is not None:
                 out.writer.close()

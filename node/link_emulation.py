@@ -1,13 +1,27 @@
 """Application-level WAN emulation for the data plane.
 
 The kernel here has ``tbf``/``htb`` but no ``netem``, so latency cannot be added by the OS. Instead every
-message to a peer passes through :meth:`LinkEmulator.transmit`, which waits as long as the emulated link
-would take: the bytes are serialised on the link (concurrent sends to the same peer queue behind each other,
-so they share its bandwidth), then the propagation latency is added. Nothing here is active unless the
-node was started with ``--network-profile``.
+message to a peer is planned on its emulated link: the bytes are serialised on the link (concurrent sends to
+the same peer queue behind each other, so they share its bandwidth), then the propagation latency is added.
+Nothing here is active unless the node was started with ``--network-profile``.
+
+Two ways to wait out the plan:
+
+* :meth:`LinkEmulator.transmit` (control messages): the sender sleeps, then really sends, so the real
+  transport time comes on top of the emulated one;
+* :meth:`LinkEmulator.deliver_at_unix` (activations and gradients): the sender stamps the delivery time on
+  the message and sends it at once; the receiver holds it until then. The real transport (encoding, the two
+  p2pd daemons, decoding) then runs *inside* the emulated delay instead of after it. That matters when many
+  daemons share a few cores: there the real per-hop cost is an artefact of the host, not of the emulated
+  WAN, whose own per-message software cost is the cost model's ``hop_overhead_s`` (already in the delay).
+  Clocks: the stamp is a Unix time, so sender and receiver must share a clock (one machine; NTP-synced
+  hosts add their skew to the latency).
 
 Compute emulation (:class:`ComputePadder`) pads a stage's measured compute to a target duration, so that a
-2-core machine can stand in for many GPUs the way the paper's own emulation did.
+2-core machine can stand in for many GPUs the way the paper's own emulation did. The target is counted from
+when the step *could* start (``ready_at``: its input arrived and the node was free), so the host's dispatch
+latency also runs inside the emulated compute time. A step whose real work outlasts its target is an
+*overrun*: counted (:attr:`ComputePadder.overruns`, :attr:`ComputePadder.overrun_s`), never hidden.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ class LinkEmulator:
         (e.g. a peer whose location is unknown).
     :param clock: monotonic clock in seconds (injectable for tests).
     :param sleep: coroutine used to wait (injectable for tests).
+    :param wall_clock: Unix clock for :meth:`deliver_at_unix` stamps (injectable for tests).
     """
 
     def __init__(
@@ -55,11 +70,13 @@ class LinkEmulator:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], "asyncio.Future[None]"] = asyncio.sleep,
+        wall_clock: Callable[[], float] = time.time,
     ):
         self._link_for = link_for
         self._clock = clock
         self._sleep = sleep
         self._link_free_at: dict[str, float] = {}
+        self._wall_clock = wall_clock
 
     def plan(self, peer_id: str, nbytes: int) -> float:
         """Reserve the link for ``nbytes`` now; return the time at which the message is delivered.
@@ -74,6 +91,14 @@ class LinkEmulator:
         done = start + link.serialisation_s(nbytes)
         self._link_free_at[peer_id] = done
         return done + link.latency_s
+
+    def deliver_at_unix(self, peer_id: str, nbytes: int) -> Optional[float]:
+        """Reserve the link for ``nbytes`` now and return the Unix time of its delivery, or None when the
+        peer's link is not emulated. The caller sends at once; the receiver holds the message until then."""
+        if self._link_for(peer_id) is None:
+            return None
+        now = self._clock()
+        return self._wall_clock() + (self.plan(peer_id, nbytes) - now)
 
     async def transmit(self, peer_id: str, nbytes: int) -> float:
         """Wait until a message of ``nbytes`` sent now to ``peer_id`` would have arrived; return the delay."""
@@ -107,14 +132,26 @@ class ComputePadder:
         self.factors = {"forward": 1.0, "backward": backward_factor, "loss": loss_factor}
         self._sleep = sleep
         self._clock = clock
+        #: steps padded so far, steps whose real work outlasted the target, and by how much in total
+        self.steps = 0
+        self.overruns = 0
+        self.overrun_s = 0.0
 
     def target_s(self, kind: str, samples: int, layers: int) -> float:
         return self.s_per_sample_per_layer * samples * layers * self.factors[kind]
 
+    def _remaining(self, kind: str, started_at: float, samples: int, layers: int) -> float:
+        remaining = started_at + self.target_s(kind, samples, layers) - self._clock()
+        self.steps += 1
+        if remaining < 0:
+            self.overruns += 1
+            self.overrun_s += -remaining
+        return remaining
+
     def pad_blocking(self, kind: str, started_at: float, samples: int, layers: int) -> float:
         """Like :meth:`pad` but sleeps the calling thread: for the compute worker thread, so the node
         stays busy (its one compute thread is occupied) exactly as long as the emulated step takes."""
-        remaining = started_at + self.target_s(kind, samples, layers) - self._clock()
+        remaining = self._remaining(kind, started_at, samples, layers)
         if remaining > 0:
             time.sleep(remaining)
             return remaining
@@ -122,7 +159,7 @@ class ComputePadder:
 
     async def pad(self, kind: str, started_at: float, samples: int, layers: int) -> float:
         """Sleep until ``started_at + target``; return how long we slept (0 if compute was already slower)."""
-        remaining = started_at + self.target_s(kind, samples, layers) - self._clock()
+        remaining = self._remaining(kind, started_at, samples, layers)
         if remaining > 0:
             await self._sleep(remaining)
             return remaining

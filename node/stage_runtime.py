@@ -15,7 +15,8 @@ swarm and the single-process reference use literally the same code.
 Compute emulation (off unless a :class:`node.link_emulation.ComputePadder` is given): each step
 is padded, in the calling compute thread, to ``s/sample/layer x samples x layers x factor`` with
 the cost model's factors (forward 1, backward 1.5, loss 0.25), so the node is busy as long as the
-emulated hardware would be.
+emulated hardware would be. The target counts from ``ready_at`` when the caller gives it (the
+monotonic time the step could have started: input arrived, node free), else from the call.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ from node.model import StageModule
 __all__ = ["OptimConfig", "StageRuntime", "make_optimizer", "clip_coefficient", "squared_norm"]
 
 logger = logging.getLogger(__name__)
+
+
+def _start_time(ready_at: Optional[float]) -> float:
+    """When an emulated step's target starts counting: ``ready_at`` if given (never in the future)."""
+    now = time.monotonic()
+    return now if ready_at is None else min(now, ready_at)
 
 
 @dataclass(frozen=True)
@@ -98,9 +105,9 @@ class StageRuntime:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def forward(self, key: Hashable, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, key: Hashable, hidden: torch.Tensor, *, ready_at: Optional[float] = None) -> torch.Tensor:
         """Apply this stage's layers; returns the activation to send on (detached)."""
-        t0 = time.monotonic()
+        t0 = _start_time(ready_at)
         x = hidden.to(self.device).detach().requires_grad_(True)
         y = self.module(x)
         self._hold(key, _InFlight(x, y))
@@ -117,9 +124,9 @@ class StageRuntime:
         self._in_flight[key] = state
         self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
 
-    def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor:
+    def backward(self, key: Hashable, grad_output: torch.Tensor, *, ready_at: Optional[float] = None) -> torch.Tensor:
         """Backward through the stored graph; returns d loss / d input and frees the microbatch."""
-        t0 = time.monotonic()
+        t0 = _start_time(ready_at)
         state = self._in_flight.pop(key)
         state.outputs.backward(grad_output.to(self.device))
         self.visits += 1
@@ -127,20 +134,21 @@ class StageRuntime:
         self._pad("backward", t0, grad_output)
         return state.inputs.grad.detach()
 
-    def start(self, key: Hashable, tokens: torch.Tensor) -> torch.Tensor:
+    def start(self, key: Hashable, tokens: torch.Tensor, *, ready_at: Optional[float] = None) -> torch.Tensor:
         """Data node: embedding + stage-0 layers for a new microbatch."""
-        t0 = time.monotonic()
+        t0 = _start_time(ready_at)
         y = self.module.embed(tokens.to(self.device))
         self._hold(key, _InFlight(None, y))
         self._pad("forward", t0, tokens)
         return y.detach()
 
-    def loss_backward(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[float, torch.Tensor]:
+    def loss_backward(self, hidden: torch.Tensor, targets: torch.Tensor, *,
+                      ready_at: Optional[float] = None) -> Tuple[float, torch.Tensor]:
         """Data node: final norm + LM head + loss on the returning activation, backward to it.
 
         Stores nothing: the head's graph is freed right here and only the gradient goes back.
         """
-        t0 = time.monotonic()
+        t0 = _start_time(ready_at)
         x = hidden.to(self.device).detach().requires_grad_(True)
         loss = self.module.head_loss(x, targets.to(self.device))
         loss.backward()
@@ -148,9 +156,9 @@ class StageRuntime:
         self._pad("loss", t0, hidden)
         return float(loss.detach()), x.grad.detach()
 
-    def finish(self, key: Hashable, grad_output: torch.Tensor) -> None:
+    def finish(self, key: Hashable, grad_output: torch.Tensor, *, ready_at: Optional[float] = None) -> None:
         """Data node: backward through stage-0 layers + embedding; the microbatch is complete."""
-        t0 = time.monotonic()
+        t0 = _start_time(ready_at)
         state = self._in_flight.pop(key)
         state.outputs.backward(grad_output.to(self.device))
         self.visits += 1

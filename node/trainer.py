@@ -159,6 +159,10 @@ class IterationStats:
     dropped: int = 0  # microbatches given up this iteration (all data nodes)
     retried: int = 0  # recomputations on a fresh path (this data node)
     resynced: bool = False  # this replica copied its state from the canonical replica instead of stepping
+    # emulation only (0 otherwise): how far this node's real work fell behind the emulated timeline in the
+    # microbatch phase (compute steps past their target; stamped frames received after their delivery time)
+    compute_overrun_s: float = 0.0
+    late_frames_s: float = 0.0
 
 
 class SchedulePlan:
@@ -300,6 +304,11 @@ class TrainerNode:
         self._returns: Deque[object] = collections.deque()
         self._forwards: Deque[object] = collections.deque()
         self._starts: Deque[Tuple[int, int, Tuple[str, ...]]] = collections.deque()
+        # compute emulation: when each queued job could have started (monotonic; keyed by id of the
+        # queued object), when the compute thread last finished, and the ready time of the running job
+        self._ready_at: Dict[int, float] = {}
+        self._free_since = 0.0
+        self._job_ready_at: Optional[float] = None
         self._targets: Dict[MbKey, torch.Tensor] = {}
         self._pending: Dict[int, _Pending] = {}  # data node: microbatch index -> its live attempt
         self._offered: Dict[int, object] = {}  # epoch number -> adopted epoch not applied yet
@@ -654,6 +663,9 @@ class TrainerNode:
             return
         if not isinstance(msg, (ActivationMessage, GradientMessage)) or msg.mb.run_id != self.cfg.run_id:
             return
+        arrived = time.monotonic()
+        if msg.deliver_at_unix is not None:  # held until its emulated delivery: it arrived then, not now
+            arrived -= max(0.0, time.time() - msg.deliver_at_unix)
         if msg.route[msg.hop] != self.peer_id:
             logger.warning("%s: misrouted %s for %s", self.node_name, type(msg).__name__, msg.route[msg.hop][-8:])
             return
@@ -666,20 +678,23 @@ class TrainerNode:
         if it < self.current_iteration or not self._open:
             logger.debug("%s: dropping late %s of iteration %d", self.node_name, type(msg).__name__, it)
             return
-        self._enqueue(msg)
+        self._enqueue(msg, arrived)
 
     def _check_done(self, st: _IterationState) -> None:
         """Iteration over: every data node of the epoch reported, or is gone."""
         if all(p in st.done or not self.is_alive(p) for p in self.data_node_peers):
             st.all_done.set()
 
-    def _enqueue(self, msg: object) -> None:
+    def _enqueue(self, msg: object, arrived: Optional[float] = None) -> None:
+        """Queue a hop message for the compute worker; ``arrived`` (monotonic, default now) is when
+        its work could have started at the earliest (compute emulation counts from then)."""
         from protocol import GradientMessage
 
         if msg.mb.epoch != self.epoch.epoch:
             logger.warning("%s: dropping %s of epoch %d during epoch %d", self.node_name, type(msg).__name__,
                            msg.mb.epoch, self.epoch.epoch)
             return
+        self._ready_at[id(msg)] = time.monotonic() if arrived is None else arrived
         if isinstance(msg, GradientMessage):
             self._grads.append(msg)
         elif msg.hop == len(msg.route) - 1:  # activation back at its data node: loss
@@ -938,6 +953,10 @@ class TrainerNode:
                     self.overcommits += 1
                     job = (self._do_forward, self._forwards.popleft())
             fn, arg = job
+            # the job could start when its input arrived and the compute thread was free, whichever came
+            # later; the time since (the host's dispatch latency) runs inside the emulated compute time
+            ready = self._ready_at.pop(id(arg), None)
+            self._job_ready_at = None if ready is None else max(ready, self._free_since)
             if not self._open:
                 continue  # the iteration closed while this job waited: its result would be unused
             self._idle.clear()
@@ -984,7 +1003,13 @@ class TrainerNode:
             st.all_done.set()
 
     async def _compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        def run():
+            try:
+                return fn(*args)
+            finally:
+                self._free_since = time.monotonic()
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     def _budget_s(self, route) -> float:
         """The microbatch's deadline budget; the first iteration this trainer runs gets
@@ -1012,7 +1037,8 @@ class TrainerNode:
             st.tokens += targets.numel()
         now = time.monotonic()
         self._pending[index] = _Pending(index, attempt, route, now + self._budget_s(route), started=now)
-        frame = await self._compute(lambda: TensorFrame.from_tensor(self.runtime.start(key, inputs)))
+        ready = self._job_ready_at
+        frame = await self._compute(lambda: TensorFrame.from_tensor(self.runtime.start(key, inputs, ready_at=ready)))
         self._spawn(self._send_forward(ActivationMessage(mb, 1, route, frame)))
 
     async def _do_forward(self, msg) -> None:
@@ -1020,7 +1046,9 @@ class TrainerNode:
 
         key = self._key(msg.mb)
         assert self.runtime is not None
-        frame = await self._compute(lambda: TensorFrame.from_tensor(self.runtime.forward(key, msg.tensor.to_tensor())))
+        ready = self._job_ready_at
+        frame = await self._compute(
+            lambda: TensorFrame.from_tensor(self.runtime.forward(key, msg.tensor.to_tensor(), ready_at=ready)))
         self._spawn(self._send_forward(ActivationMessage(msg.mb, msg.hop + 1, msg.route, frame)))
 
     async def _do_loss(self, msg) -> None:
@@ -1033,8 +1061,10 @@ class TrainerNode:
         targets = self._targets.pop(key)
         assert self.runtime is not None
 
+        ready = self._job_ready_at
+
         def run():
-            loss, grad = self.runtime.loss_backward(msg.tensor.to_tensor(), targets)
+            loss, grad = self.runtime.loss_backward(msg.tensor.to_tensor(), targets, ready_at=ready)
             return loss, TensorFrame.from_tensor(grad)
 
         loss, frame = await self._compute(run)
@@ -1049,9 +1079,10 @@ class TrainerNode:
 
         key = self._key(msg.mb)
         assert self.runtime is not None
+        ready = self._job_ready_at
         if msg.hop > 0:
             frame = await self._compute(
-                lambda: TensorFrame.from_tensor(self.runtime.backward(key, msg.tensor.to_tensor())))
+                lambda: TensorFrame.from_tensor(self.runtime.backward(key, msg.tensor.to_tensor(), ready_at=ready)))
             self._spawn(self._send_backward(GradientMessage(msg.mb, msg.hop - 1, msg.route, frame)))
             return
         # back at the data node: backward through stage 0, the microbatch is complete
@@ -1059,7 +1090,7 @@ class TrainerNode:
         if p is None or p.attempt != msg.mb.attempt:
             self.runtime.drop(key)
             return
-        await self._compute(lambda: self.runtime.finish(key, msg.tensor.to_tensor()))
+        await self._compute(lambda: self.runtime.finish(key, msg.tensor.to_tensor(), ready_at=ready))
         if self._pending.get(msg.mb.index) is not p:
             return
         self._pending.pop(msg.mb.index, None)
@@ -1076,6 +1107,7 @@ class TrainerNode:
         await self._wait_for_stages()
         it = self.current_iteration
         t0 = time.perf_counter()
+        behind0 = self._emulation_behind()
         st = self._state(it)
         self._open, self._opened = True, it
         if self._first_iteration < 0:
@@ -1113,10 +1145,12 @@ class TrainerNode:
             raise NodeKilled(f"{self.node_name} was killed")
         await self._idle.wait()  # a job that started before the close finishes before we average
         self._grads.clear(), self._returns.clear(), self._forwards.clear(), self._starts.clear()
+        self._ready_at.clear()
         assert self.runtime is not None
         dropped = sum(int(d.dropped) for d in st.done.values())
 
         t_mb = time.perf_counter()
+        behind = tuple(b - a for a, b in zip(behind0, self._emulation_behind()))
         averaged = await self._average(it)
         t_avg = time.perf_counter()
         loss_sum = float(sum(st.losses))
@@ -1160,7 +1194,7 @@ class TrainerNode:
             active_nodes=len(records), local_visits=self.runtime.visits, averaged=averaged,
             microbatch_s=t_mb - t0, averaging_s=t_avg - t_mb, norm_exchange_s=t_norm - t_avg,
             step_s=time.perf_counter() - t_norm, dropped=dropped, retried=st.retried,
-            resynced=source is not None)
+            resynced=source is not None, compute_overrun_s=behind[0], late_frames_s=behind[1])
         self.history.append(stats)
         if self.checkpoints and self.cfg.checkpoint_every > 0 and (it + 1) % self.cfg.checkpoint_every == 0:
             await self.save_checkpoint()
@@ -1223,6 +1257,11 @@ class TrainerNode:
 
         await self._compute(load)
         self.resyncs += 1
+
+    def _emulation_behind(self) -> Tuple[float, float]:
+        """(compute overrun seconds, late-frame seconds) so far; both 0 without emulation."""
+        padder = getattr(self.runtime, "padder", None) if self.runtime is not None else None
+        return (float(getattr(padder, "overrun_s", 0.0)), float(getattr(self.dataplane, "late_s", 0.0)))
 
     async def _average(self, it: int) -> Optional[bool]:
         assert self.runtime is not None

@@ -62,6 +62,13 @@ def _check_route(owner: str, mb: MicrobatchId, hop: int, route: tuple[str, ...])
         raise MalformedMessage(f"{owner}.hop {hop} is outside route of length {len(route)}")
 
 
+def _check_delivery(owner: str, deliver_at_unix: float | None) -> None:
+    """An emulated delivery time is a finite, non-negative Unix time (how long a receiver honours it
+    is the receiver's business: :mod:`node.dataplane` caps the hold)."""
+    if deliver_at_unix is not None and not (math.isfinite(deliver_at_unix) and deliver_at_unix >= 0):
+        raise MalformedMessage(f"{owner}.deliver_at_unix must be a finite time >= 0, got {deliver_at_unix!r}")
+
+
 @dataclass(frozen=True)
 class MicrobatchId:
     """Names one microbatch swarm-wide; not a message itself but part of the hop messages."""
@@ -96,10 +103,14 @@ class ActivationMessage:
     hop: int
     route: tuple[str, ...]
     tensor: TensorFrame
+    #: WAN emulation only (None otherwise): the Unix time at which the emulated link delivers
+    #: these activations; the receiver holds the message until then (see ``_check_delivery``).
+    deliver_at_unix: float | None = None
 
     def validate(self, options: DecodeOptions) -> None:
-        """The route is closed at the data node and ``hop`` indexes it."""
+        """The route is closed at the data node and ``hop`` indexes it; an emulated delivery time is finite."""
         _check_route("ActivationMessage", self.mb, self.hop, self.route)
+        _check_delivery("ActivationMessage", self.deliver_at_unix)
 
 
 @register_message
@@ -113,10 +124,14 @@ class GradientMessage:
     hop: int
     route: tuple[str, ...]
     tensor: TensorFrame
+    #: WAN emulation only (None otherwise): the Unix time at which the emulated link delivers
+    #: these gradients; the receiver holds the message until then (see ``_check_delivery``).
+    deliver_at_unix: float | None = None
 
     def validate(self, options: DecodeOptions) -> None:
-        """The route is closed at the data node and ``hop`` indexes it."""
+        """The route is closed at the data node and ``hop`` indexes it; an emulated delivery time is finite."""
         _check_route("GradientMessage", self.mb, self.hop, self.route)
+        _check_delivery("GradientMessage", self.deliver_at_unix)
 
 
 @register_message

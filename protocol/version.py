@@ -12,4 +12,6 @@ __all__ = ["PROTOCOL_VERSION"]
 #: Version carried in the ``"v"`` key of every envelope; decoders accept only this value.
 #: 2: ``MicrobatchId.attempt`` (recomputed microbatches) and ``ScheduleEpoch.start_iteration``
 #: (epochs switch at an announced iteration boundary).
-PROTOCOL_VERSION: int = 2
+#: 3: ``ActivationMessage``/``GradientMessage.deliver_at_unix`` (WAN emulation: the receiver holds a
+#: hop message until its emulated delivery time, so real transport time counts against the emulated one).
+PROTOCOL_VERSION: int = 3

@@ -29,6 +29,7 @@ __all__ = [
     "nodes_round_robin",
     "build_cost",
     "cost_from_measurements",
+    "link_busy_matrix",
 ]
 
 #: Bytes in a GiB; the reference profiles state bandwidth in GiB/s.
@@ -293,6 +294,22 @@ def build_cost(
                 row.append(transfer_time_s(lk.latency_ms, lk.bandwidth_GiBps * GIB, nbytes, params.hop_overhead_s))
         link.append(tuple(row))
     return CostMatrix(compute, tuple(link), params.backward_ratio, params.loss_ratio)
+
+
+def link_busy_matrix(
+    nodes: Sequence[NodeSpec],
+    profile: LinkProfile,
+    shape: ModelShape = ModelShape(),
+) -> tuple[tuple[float, ...], ...]:
+    """Seconds one activation occupies each directed link (bytes / bandwidth): the part of
+    :func:`build_cost`'s ``link_s`` that concurrent transfers on one link must take in turn
+    (``scheduler.simulator.simulate(..., link_busy_s=...)``). Node ids as in :func:`build_cost`."""
+    nbytes = activation_bytes(shape)
+    return tuple(
+        tuple(0.0 if a.id == b.id else nbytes / (profile.link(a.location, b.location).bandwidth_GiBps * GIB)
+              for b in nodes)
+        for a in nodes
+    )
 
 
 def cost_from_measurements(

@@ -55,6 +55,24 @@ def test_forward_backward_and_loss_are_padded_to_their_targets():
     assert fin_s >= pad.target_s("backward", SAMPLES, layers) - CLOCK_TOLERANCE_S
 
 
+def test_padding_counts_from_ready_at_so_dispatch_latency_is_inside_the_target():
+    """A step that could start ``early`` seconds before it was called is padded to end at
+    ready_at + target, not call + target; a ready_at in the future is ignored (never padded more)."""
+    pad = ComputePadder(S_PER_SAMPLE_PER_LAYER)
+    cfg = model_config("tiny")
+    mid = runtime(1, pad)
+    target = pad.target_s("forward", SAMPLES, cfg.layers_per_stage)
+    hidden = torch.randn(SAMPLES, 16, cfg.d_model)
+    ready = time.monotonic() - target  # the whole budget was already spent waiting to be dispatched
+    mid.forward("k", hidden, ready_at=ready)
+    assert time.monotonic() - ready >= target - CLOCK_TOLERANCE_S
+    assert pad.overruns == 1  # real work came on top of a spent budget: counted, not hidden
+    called = time.monotonic()
+    mid.backward("k", torch.ones(SAMPLES, 16, cfg.d_model), ready_at=called + 3600.0)  # would hang if honoured
+    assert pad.steps == 2
+    assert time.monotonic() - called >= pad.target_s("backward", SAMPLES, cfg.layers_per_stage) - CLOCK_TOLERANCE_S
+
+
 def parse(argv, location=True):
     p = argparse.ArgumentParser()
     if not location:

@@ -73,3 +73,24 @@ def test_compute_padder_pads_to_target_and_never_negative():
     assert slept == pytest.approx(0.1)
     clock.now = 10.0
     assert asyncio.run(pad.pad("loss", started_at=0.0, samples=1, layers=1)) == 0.0
+
+
+def test_delivery_stamp_is_the_plan_on_the_unix_clock_and_reserves_the_link():
+    clock = FakeClock()
+    emu = LinkEmulator({"b": LinkSpec(latency_s=0.1, bandwidth_Bps=1000.0)}.get, clock=clock, sleep=clock.sleep,
+                       wall_clock=lambda: 1000.0 + clock.now)
+    assert emu.deliver_at_unix("b", 500) == pytest.approx(1000.0 + 0.5 + 0.1)
+    assert emu.deliver_at_unix("b", 500) == pytest.approx(1000.0 + 1.0 + 0.1)  # queued behind the first
+    assert emu.deliver_at_unix("stranger", 500) is None
+    assert clock.slept == []  # stamping never waits
+
+
+def test_compute_padder_counts_overruns_instead_of_hiding_them():
+    clock = FakeClock()
+    pad = ComputePadder(0.01, sleep=clock.sleep, clock=clock)
+    asyncio.run(pad.pad("forward", started_at=0.0, samples=2, layers=5))  # target 0.1, on time
+    assert (pad.steps, pad.overruns, pad.overrun_s) == (1, 0, 0.0)
+    clock.now = 10.0
+    asyncio.run(pad.pad("forward", started_at=9.5, samples=2, layers=5))  # 0.5 s of work, target 0.1
+    assert (pad.steps, pad.overruns) == (2, 1)
+    assert pad.overrun_s == pytest.approx(0.4)

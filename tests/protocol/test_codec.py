@@ -20,6 +20,7 @@ def _reference(msg: ActivationMessage) -> bytes:
         "hop": msg.hop,
         "route": list(msg.route),
         "tensor": {"dtype": frame.dtype, "shape": list(frame.shape), "data": frame.data, "compression": "none"},
+        "deliver_at_unix": msg.deliver_at_unix,
     }
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": "activation", "b": body}, use_bin_type=True)
 
@@ -33,6 +34,17 @@ def test_encode_matches_plain_msgpack(n_int32):
     wire = encode(msg)
     assert wire == _reference(msg)
     assert decode(wire) == msg
+
+
+def test_emulated_delivery_time_round_trips_and_must_be_a_time():
+    from protocol.errors import MalformedMessage
+
+    frame = TensorFrame("int32", (1,), bytes(4))
+    stamped = ActivationMessage(mb=MB, hop=1, route=("d", "p", "d"), tensor=frame, deliver_at_unix=1.7e9)
+    assert decode(encode(stamped)).deliver_at_unix == 1.7e9
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(MalformedMessage, match="deliver_at_unix"):
+            decode(encode(ActivationMessage(mb=MB, hop=1, route=("d", "p", "d"), tensor=frame, deliver_at_unix=bad)))
 
 
 def test_two_large_fields_in_one_message():

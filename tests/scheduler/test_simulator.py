@@ -67,3 +67,46 @@ def test_simulate_schedule_uses_entries_in_dispatch_order():
     s = Schedule(((0,), (1,)), 2, 2, (PathEntry(0, (0, 1), 2),), uniform_cost(2))
     assert simulate(s).iteration_time_s == pytest.approx(7.5)
     assert len(simulate(s).timelines[1]) == 4
+
+
+def test_shared_link_queues_the_second_transfer_behind_the_first():
+    # 0 -> 1 takes 10 s, of which 5 s occupy the link (bytes / bandwidth). F0 of mb 0 ends at 1, of mb 1 at 2:
+    # unshared, they reach node 1 at 11 and 12; shared, mb 1 waits for the link until 6 and arrives at 16.
+    c = CostMatrix((1.0, 1.0), ((0.0, 10.0), (10.0, 0.0)))
+    busy = ((0.0, 5.0), (5.0, 0.0))
+    unshared = simulate_routes({0: [(0, 1), (0, 1)]}, c, 2, record_timelines=True)
+    shared = simulate_routes({0: [(0, 1), (0, 1)]}, c, 2, record_timelines=True, link_busy_s=busy)
+    assert [t.start_s for t in unshared.timelines[1] if t.kind == "F"] == pytest.approx([11, 12])
+    assert [t.start_s for t in shared.timelines[1] if t.kind == "F"] == pytest.approx([11, 16])
+    assert shared.iteration_time_s > unshared.iteration_time_s
+
+
+def test_links_that_are_never_busy_change_nothing():
+    c = uniform_cost(3)
+    routes = {0: [(0, 1, 2), (0, 2, 1), (0, 1, 2)]}
+    zero = tuple(tuple(0.0 for _ in range(3)) for _ in range(3))
+    assert simulate_routes(routes, c, 2, link_busy_s=zero) == simulate_routes(routes, c, 2)
+
+
+def test_link_busy_matrix_must_fit_the_cost_matrix():
+    from scheduler.errors import ScheduleError
+
+    c = CostMatrix((1.0, 1.0), ((0.0, 2.0), (2.0, 0.0)))
+    with pytest.raises(ScheduleError, match="2x2"):
+        simulate_routes({0: [(0, 1)]}, c, 1, link_busy_s=((0.0,),))
+    with pytest.raises(ScheduleError, match="link_busy_s\\[0\\]\\[1\\]"):
+        simulate_routes({0: [(0, 1)]}, c, 1, link_busy_s=((0.0, 3.0), (0.0, 0.0)))  # busier than the whole transfer
+
+
+def test_link_busy_matrix_is_bytes_over_bandwidth():
+    from scheduler.cost import GIB, LinkProfile, ModelShape, NodeSpec, activation_bytes, build_cost, link_busy_matrix
+
+    profile = LinkProfile.from_dict({
+        "name": "two", "locations": ["A", "B"], "same_location": {"latency_ms": 0.0, "bandwidth_GiBps": 1.0},
+        "links": {"A-B": {"latency_ms": 100.0, "bandwidth_GiBps": 0.5}},
+    })
+    nodes = [NodeSpec(0, "A", 0.01, 2), NodeSpec(1, "B", 0.01, 2)]
+    shape = ModelShape(layers_per_stage=1, d_model=64, seq_len=64, samples_per_microbatch=8)
+    busy = link_busy_matrix(nodes, profile, shape)
+    assert busy[0][0] == 0.0 and busy[0][1] == pytest.approx(activation_bytes(shape) / (0.5 * GIB))
+    assert busy[0][1] <= build_cost(nodes, profile, shape).link_s[0][1]
