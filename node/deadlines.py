@@ -58,22 +58,25 @@ class HopDeadlines:
         self._index = {p: i for i, p in enumerate(self.members)}
         n = len(self.members)
         self.forward_s = tuple(float(f) for f in forward_s)
-        link_s = []
+        link_s, busy_s = [], []
         for u in range(n):
-            row = []
+            row, busy = [], []
             for v in range(n):
                 if u == v:
-                    row.append(0.0)
+                    row.append(0.0), busy.append(0.0)
                     continue
                 est = link(self.members[u], self.members[v]) if link is not None else None
                 lat, bw = est if est is not None else (cfg.default_latency_s, cfg.default_bandwidth_Bps)
-                row.append(float(lat) + activation_bytes / max(float(bw), 1.0))
-            link_s.append(tuple(row))
+                busy.append(activation_bytes / max(float(bw), 1.0))
+                row.append(float(lat) + busy[-1])
+            link_s.append(tuple(row)), busy_s.append(tuple(busy))
         self.link_s = tuple(link_s)
         self.cost = CostMatrix(self.forward_s, self.link_s, cfg.backward_ratio, cfg.loss_ratio)
         try:
-            self.makespan_s = float(simulate(Schedule.from_json(dict(schedule)), self.cost,
-                                             record_timelines=False).iteration_time_s)
+            # transfers on one link queue for it (as on a real link): a schedule whose routes collide
+            # on a slow link takes that much longer, and its microbatches must be given that time
+            self.makespan_s = float(simulate(Schedule.from_json(dict(schedule)), self.cost, record_timelines=False,
+                                             link_busy_s=tuple(busy_s)).iteration_time_s)
         except Exception as e:  # noqa: BLE001 - a budget must exist even for a schedule the simulator rejects
             logger.warning("cannot simulate the schedule for deadlines (%r); using route sums only", e)
             self.makespan_s = 0.0

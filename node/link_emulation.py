@@ -216,9 +216,17 @@ class Emulation:
     an :class:`Emulation` runs its data plane and compute untouched.
     """
 
-    def __init__(self, link_emulator: Optional[LinkEmulator] = None, padder: Optional[ComputePadder] = None):
+    def __init__(self, link_emulator: Optional[LinkEmulator] = None, padder: Optional[ComputePadder] = None,
+                 link_between: Optional[Callable[[str, str, Optional[str]], Optional[LinkSpec]]] = None):
         self.link_emulator = link_emulator
         self.padder = padder
+        self._link_between = link_between
+
+    def link_between(self, a: str, b: str, me: Optional[str] = None) -> Optional[LinkSpec]:
+        """The emulated link from peer ``a`` to peer ``b`` (any two peers, for planning: the data
+        node's deadlines must see the links its microbatches will cross); peer ``me`` is this node.
+        None if that link is not emulated (no profile, or a location unknown)."""
+        return self._link_between(a, b, me) if self._link_between is not None else None
 
     @classmethod
     def for_node(cls, *, profile=None, location: Optional[str] = None,
@@ -226,7 +234,7 @@ class Emulation:
                  compute_s_per_sample_per_layer: Optional[float] = None, latency_scale: float = 1.0,
                  bandwidth_scale: float = 1.0, hop_overhead_s: float = 0.0) -> "Emulation":
         """Links from ``profile`` as seen from ``location`` (peer locations: a map or a lookup function)."""
-        emulator = None
+        emulator = link_between = None
         if profile is not None:
             if location is None or location not in profile.locations:
                 raise ValueError(f"location {location!r} is not in profile {profile.name!r} "
@@ -234,7 +242,13 @@ class Emulation:
             lookup = peer_locations.get if isinstance(peer_locations, Mapping) else peer_locations
             if lookup is None:
                 raise ValueError("link emulation needs the peers' locations")
-            emulator = LinkEmulator(profile_links(profile, location, lookup, latency_scale=latency_scale,
-                                                  bandwidth_scale=bandwidth_scale, hop_overhead_s=hop_overhead_s))
+            scales = dict(latency_scale=latency_scale, bandwidth_scale=bandwidth_scale, hop_overhead_s=hop_overhead_s)
+            emulator = LinkEmulator(profile_links(profile, location, lookup, **scales))
+
+            def link_between(a: str, b: str, me: Optional[str], _lookup=lookup, _scales=scales) -> Optional[LinkSpec]:
+                la, lb = (location if p == me else _lookup(p) for p in (a, b))
+                if la not in profile.locations or lb not in profile.locations:
+                    return None
+                return profile_link_spec(profile, la, lb, **_scales)
         padder = ComputePadder(compute_s_per_sample_per_layer) if compute_s_per_sample_per_layer is not None else None
-        return cls(emulator, padder)
+        return cls(emulator, padder, link_between)

@@ -384,7 +384,23 @@ class TrainerNode:
         m = self.cfg.model
         act_bytes = 4 * self.cfg.data.microbatch_size * self.cfg.data.seq_len * m.d_model
         self.deadlines = HopDeadlines(self.epoch.schedule, self.members, [self._forward_s] * len(self.members),
-                                      act_bytes, self._link_estimate, self.cfg.deadlines)
+                                      act_bytes, self._deadline_links(), self.cfg.deadlines)
+
+    def _deadline_links(self):
+        """Link estimates for the deadlines: the emulated links when links are emulated (the measured
+        ones run over loopback and know nothing of the WAN the microbatches really cross), else measured."""
+        between = getattr(self.emulation, "link_between", None)
+        if between is None:
+            return self._link_estimate
+        measured = self._link_estimate
+
+        def estimate(a: str, b: str):
+            spec = between(a, b, self.peer_id)
+            if spec is not None:
+                return spec.latency_s, spec.bandwidth_Bps
+            return measured(a, b) if measured is not None else None
+
+        return estimate
 
     def _measure_forward_s(self) -> float:
         """Seconds of one microbatch forward through this stage (padded when compute is emulated)."""
