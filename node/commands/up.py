@@ -465,9 +465,9 @@ def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[in
     return args
 
 
-def _stage_modules_from_checkpoints(ckpt_root: pathlib.Path, mcfg, seed: int, names: Dict[int, str]):
-    """Replica ``names[k]`` of every stage from its checkpoint (initial weights where there is none);
-    returns ``(modules, iterations)``."""
+def _stage_modules_from_checkpoints(ckpt_root: Optional[pathlib.Path], mcfg, seed: int, names: Dict[int, str]):
+    """Replica ``names[k]`` of every stage from its checkpoint (initial weights where there is none,
+    and everywhere when ``ckpt_root`` is None); returns ``(modules, iterations)``."""
     from node.checkpoint import CheckpointStore
     from node.model import build_stage
     from node.stage_runtime import OptimConfig, StageRuntime
@@ -475,7 +475,7 @@ def _stage_modules_from_checkpoints(ckpt_root: pathlib.Path, mcfg, seed: int, na
     modules, iters = [], []
     for k in range(mcfg.n_stages):
         rt = StageRuntime(build_stage(mcfg, k, seed), OptimConfig())
-        ckpt = CheckpointStore(ckpt_root, RUN_ID, k, names[k]).load()
+        ckpt = CheckpointStore(ckpt_root, RUN_ID, k, names[k]).load() if ckpt_root is not None else None
         if ckpt is not None:
             rt.load_state_dict(ckpt.state)
         iters.append(ckpt.iteration if ckpt is not None else -1)
@@ -509,7 +509,9 @@ def run_up_swarm(opts: UpOptions) -> dict:
     splits = load_splits(data_cfg)
     val = validation_batches(splits, data_cfg, VAL_BATCHES)
     ckpt_root = out / "checkpoints"
-    before, ck_iters = _stage_modules_from_checkpoints(ckpt_root, mcfg, opts.seed, first_of)
+    # a fresh run starts from the initial weights even where an earlier run left checkpoints in --out
+    # (the daemons overwrite them); only --resume starts from them
+    before, ck_iters = _stage_modules_from_checkpoints(ckpt_root if opts.resume else None, mcfg, opts.seed, first_of)
     if opts.resume and min(ck_iters) + 1 >= opts.iterations:
         raise UserError(f"checkpoints are already at iteration {min(ck_iters) + 1}; ask for more --iterations")
     val_before = evaluate_loss(before, val)  # initial weights, or the checkpoints resumed from

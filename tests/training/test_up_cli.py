@@ -46,3 +46,32 @@ def test_node_run_train_rejects_bad_flags_with_one_line(argv, message, capsys, t
     assert main(base + argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_fresh_up_run_measures_its_start_from_the_initial_weights_not_an_earlier_runs_checkpoints(tmp_path):
+    """A second ``skippipe up`` into the same --out without --resume trains from scratch, so its
+    "validation loss before" must be that of the initial weights, not of the checkpoints the first
+    run left there (found by running the README command twice: 2.5515 -> 2.5574 was printed)."""
+    import torch
+
+    from node.checkpoint import CheckpointStore
+    from node.commands.up import RUN_ID, _stage_modules_from_checkpoints
+    from node.model import build_stage, model_config
+    from node.stage_runtime import OptimConfig, StageRuntime
+
+    mcfg = model_config("tiny")
+    names = {k: f"node{k}" for k in range(mcfg.n_stages)}
+    for k in range(mcfg.n_stages):
+        trained = StageRuntime(build_stage(mcfg, k, 0), OptimConfig())
+        with torch.no_grad():
+            for p in trained.module.parameters():
+                p.add_(1.0)
+        CheckpointStore(tmp_path, RUN_ID, k, names[k]).save(39, trained.state_dict())
+    fresh, fresh_iters = _stage_modules_from_checkpoints(None, mcfg, 0, names)
+    resumed, resumed_iters = _stage_modules_from_checkpoints(tmp_path, mcfg, 0, names)
+    assert fresh_iters == [-1] * mcfg.n_stages and resumed_iters == [39] * mcfg.n_stages
+    for k in range(mcfg.n_stages):
+        initial = build_stage(mcfg, k, 0)
+        for p, q, r in zip(fresh[k].parameters(), initial.parameters(), resumed[k].parameters()):
+            assert torch.equal(p, q)
+            assert torch.allclose(r, q + 1.0)
