@@ -53,6 +53,7 @@ from node.stage_runtime import OptimConfig, StageRuntime, clip_coefficient
 __all__ = [
     "TrainerConfig",
     "IterationStats",
+    "gone_peers",
     "SchedulePlan",
     "TrainerNode",
     "TrainingStalled",
@@ -117,6 +118,13 @@ class TrainerConfig:
     ban_s: float = 30.0
     ban_max_s: float = 300.0
     liveness_poll_s: float = 0.25  # how often deadlines and membership are re-checked in an iteration
+    #: a data node gives up the microbatches routed through a peer once that peer has been out of the
+    #: view this long. On an overloaded host (20 daemons on 2 cores) a live peer's advert can lapse for
+    #: a moment; failing its microbatches at once recomputes all of them while the originals still hold
+    #: memory slots along their routes (a 20-daemon full-pipeline run lost 190 s that way). A peer that
+    #: is really gone was already out of the view for a whole advert TTL; the microbatch deadlines
+    #: still catch a hop that never answers.
+    left_grace_s: float = 10.0
     #: a microbatch budget is capped at this fraction of ``iteration_timeout_s``: on an overloaded box
     #: the cost-model budget can exceed the iteration timeout, and then a lost microbatch would stop
     #: training (TrainingStalled) instead of being recomputed or dropped
@@ -323,6 +331,7 @@ class TrainerNode:
         self._monitor_task: Optional[asyncio.Task] = None
         self._send_tasks: set = set()
         self._suspects: Dict[str, Tuple[float, float]] = {}  # peer -> (banned until, current back-off)
+        self._absent_since: Dict[str, float] = {}  # peer -> when this node first saw it out of the view
         self.overcommits = 0  # forwards admitted beyond the memory slots to break a cyclic wait
         self.reroutes = 0
         self.skips = 0
@@ -899,8 +908,10 @@ class TrainerNode:
             now = time.monotonic()
             try:
                 if self.is_data_node:
+                    gone = gone_peers({r for p in self._pending.values() for r in p.route}, self.is_alive,
+                                      self._absent_since, now, self.cfg.left_grace_s)
                     for p in list(self._pending.values()):
-                        dead = [r for r in p.route if not self.is_alive(r)]
+                        dead = [r for r in p.route if r in gone]
                         if dead:
                             self._fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
                         elif now > p.deadline:
@@ -1464,6 +1475,24 @@ class TrainerNode:
             await asyncio.get_running_loop().run_in_executor(None, self.averager.shutdown)
             self.averager = None
         self._executor.shutdown(wait=True)
+
+
+def gone_peers(peers, is_alive: Callable[[str], bool], absent_since: Dict[str, float], now: float,
+               grace_s: float) -> set:
+    """The ``peers`` that have been out of the view for at least ``grace_s`` (``now`` monotonic).
+
+    ``absent_since`` remembers when each peer was first seen absent and is updated in place: a peer
+    seen alive again is forgotten, so a momentary lapse never adds up with a later one.
+    """
+    gone = set()
+    for peer in peers:
+        if is_alive(peer):
+            absent_since.pop(peer, None)
+            continue
+        since = absent_since.setdefault(peer, now)
+        if now - since >= grace_s:
+            gone.add(peer)
+    return gone
 
 
 def _kill_own_process_group() -> None:

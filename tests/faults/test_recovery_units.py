@@ -46,3 +46,20 @@ def test_skip_step_leaves_parameters_untouched():
     rt.skip_step()
     assert all(torch.equal(a, b) for a, b in zip(before, rt.parameters()))
     assert all(bool((p.grad == 0).all()) for p in rt.parameters()) and rt.visits == 0
+
+
+def test_a_peer_counts_as_gone_only_after_the_grace_and_a_return_resets_it():
+    from node.trainer import gone_peers
+
+    alive = {"a": True, "b": False, "c": False}
+    absent: dict = {}
+    assert gone_peers(["a", "b"], alive.get, absent, now=100.0, grace_s=10.0) == set()
+    assert absent == {"b": 100.0}
+    assert gone_peers(["a", "b"], alive.get, absent, now=109.9, grace_s=10.0) == set()
+    assert gone_peers(["a", "b", "c"], alive.get, absent, now=110.0, grace_s=10.0) == {"b"}  # c just left
+    alive["b"] = True  # its advert came back: the lapse is forgotten
+    assert gone_peers(["b"], alive.get, absent, now=111.0, grace_s=10.0) == set() and "b" not in absent
+    alive["b"] = False
+    assert gone_peers(["b"], alive.get, absent, now=112.0, grace_s=10.0) == set()  # a new lapse starts over
+    assert gone_peers(["b", "c"], alive.get, absent, now=122.0, grace_s=10.0) == {"b", "c"}
+    assert gone_peers(["c"], alive.get, {}, now=0.0, grace_s=0.0) == {"c"}  # no grace: at once
