@@ -72,7 +72,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, replace
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _ROOT = _HERE.parent
@@ -224,7 +224,8 @@ def _behind(history: List[dict], its: Sequence[int]) -> dict:
     """How far the host fell behind the emulated timeline in the measured iterations, summed over nodes:
     compute steps past their emulated target, and hop frames received after their emulated delivery.
     Both 0 = every real overhead fitted inside the emulated budgets (the run replays the emulated WAN)."""
-    rows = [h for h in history if h.get("iteration") in set(its)]
+    measured = set(its)
+    rows = [h for h in history if h.get("iteration") in measured]
     n = max(len(its), 1)
     return {"compute_overrun_s_per_iteration": sum(float(h.get("compute_overrun_s", 0.0)) for h in rows) / n,
             "late_frames_s_per_iteration": sum(float(h.get("late_frames_s", 0.0)) for h in rows) / n}
@@ -259,10 +260,11 @@ def _daemon_args(args, setting: dict, policy: str, locations: Sequence[str]):
     return node_args
 
 
-def predict_epoch(schedule_json: dict, members: Sequence[str], location_of: Dict[str, str], setting: dict,
-                  shared_links: bool = True) -> float:
-    """Simulated microbatch phase of an adopted epoch on the emulated cost of its members; with
-    ``shared_links`` transfers on one link queue for it, as the emulated links make them."""
+def predict_epoch(schedule_json: dict, members: Sequence[str], location_of: Dict[str, str],
+                  setting: dict) -> Tuple[float, float]:
+    """Simulated microbatch phase of an adopted epoch on the emulated cost of its members:
+    ``(shared, unshared)``, with transfers on one link queueing for it (as the emulated links make
+    them) and without (the reference's model)."""
     from scheduler.cost import CostParams, NodeSpec, build_cost, link_busy_matrix
     from scheduler.schedule import Schedule
     from scheduler.simulator import simulate
@@ -270,8 +272,9 @@ def predict_epoch(schedule_json: dict, members: Sequence[str], location_of: Dict
     compute = setting["compute_s_per_sample_per_layer"]
     nodes = [NodeSpec(v, location_of[m], compute, schedule_json.get("memory", 3)) for v, m in enumerate(members)]
     cost = build_cost(nodes, setting["emu_profile"], setting["shape"], CostParams(hop_overhead_s=setting["hop_overhead_s"]))
-    busy = link_busy_matrix(nodes, setting["emu_profile"], setting["shape"]) if shared_links else None
-    return simulate(Schedule.from_json(schedule_json), cost, link_busy_s=busy).iteration_time_s
+    busy = link_busy_matrix(nodes, setting["emu_profile"], setting["shape"])
+    schedule = Schedule.from_json(schedule_json)
+    return (simulate(schedule, cost, link_busy_s=busy).iteration_time_s, simulate(schedule, cost).iteration_time_s)
 
 
 def _route_stages(schedule_json: dict) -> List[List[int]]:
@@ -347,8 +350,7 @@ def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib
     behind = _behind([h for hist in histories for h in hist], its)
     lead = done[0]["history"]
     full = [next(h["seconds"] for h in lead if h["iteration"] == i) for i in its]
-    predicted = predict_epoch(sched["schedule"], sched["members"], location_of, setting)
-    unshared = predict_epoch(sched["schedule"], sched["members"], location_of, setting, shared_links=False)
+    predicted, unshared = predict_epoch(sched["schedule"], sched["members"], location_of, setting)
     routes = _route_stages(sched["schedule"])
     print(f"  {name}: epoch {sched['epoch']} ({len(sched['schedule']['paths'])} paths, route lengths "
           f"{sorted({len(r) for r in routes})}); iterations {', '.join(f'{x:.2f}' for x in mb)} s (microbatch phase); "
