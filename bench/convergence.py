@@ -35,6 +35,8 @@ import argparse
 import json
 import logging
 import math
+import multiprocessing
+import os
 import pathlib
 import sys
 import time
@@ -58,7 +60,7 @@ from scheduler.cost import CostMatrix  # noqa: E402
 from scheduler.paths import schedule_paths_report  # noqa: E402
 from scheduler.schedule import Schedule  # noqa: E402
 
-__all__ = ["BenchConfig", "RunResult", "skip_schedule", "train_run", "main", "RESULTS_DIR", "DEFAULT_CHECKPOINTS"]
+__all__ = ["BenchConfig", "RunResult", "skip_schedule", "train_run", "run_variants", "main", "RESULTS_DIR", "DEFAULT_CHECKPOINTS"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,9 @@ class BenchConfig:
     #: the skip run takes the full pipeline every this many iterations (0 = never). The authors' later
     #: training script does this with 10 (notes §4.2); it lowers the mean skip ratio (1/3 -> 0.3 at 10)
     full_every: int = 0
+    #: processes to train the two variants in: 2 runs them side by side, one per core (each run is
+    #: deterministic on its own, so the figures do not depend on this)
+    jobs: int = 1
 
 
 @dataclass
@@ -205,6 +210,29 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
     return out
 
 
+def _train_variant(name: str, schedule, cfg: BenchConfig, data: DataConfig, checkpoints: pathlib.Path,
+                   full_schedule=None) -> RunResult:
+    """One variant in a worker process: loads its own copy of the data (deterministic)."""
+    torch.set_num_threads(cfg.threads)
+    return train_run(name, schedule, cfg, data, load_splits(data), checkpoints,
+                     log=lambda line: print(line, flush=True), full_schedule=full_schedule)
+
+
+def run_variants(cfg: BenchConfig, full, skip, data: DataConfig, splits: Optional[TokenSplits],
+                 checkpoints: pathlib.Path) -> List[RunResult]:
+    """Train ``full`` then ``skip``; with ``cfg.jobs >= 2``, both at once in two spawned processes."""
+    if cfg.jobs < 2:
+        splits = splits if splits is not None else load_splits(data)
+        return [train_run("full", full, cfg, data, splits, checkpoints),
+                train_run("skip", skip, cfg, data, splits, checkpoints, full_schedule=full)]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_train_variant, "full", full, cfg, data, checkpoints),
+                   pool.submit(_train_variant, "skip", skip, cfg, data, checkpoints, full)]
+        return [f.result() for f in futures]
+
+
 def _as_path_length(schedule) -> int:
     return int(schedule.path_length if isinstance(schedule, Schedule) else schedule["path_length"])
 
@@ -250,7 +278,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--full-every", type=int, default=d.full_every,
                    help="the skip run follows the full pipeline every N-th iteration, as the authors' later "
                         "training script does with 10 (default 0 = never: pure k = 1/3)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default 1)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per run (default 1)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="processes: 2 trains both variants side by side, 1 one after the other; the figures "
+                        "are the same either way (default: 2 if the machine has 2 cores or more)")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
     p.add_argument("--checkpoints", type=pathlib.Path, default=DEFAULT_CHECKPOINTS,
                    help="checkpoint root (default runs/convergence)")
@@ -264,24 +295,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       val_batches=args.val_batches, microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                       lr=args.lr, lr_schedule=args.lr_schedule, warmup_iterations=args.warmup_iterations,
                       min_lr_ratio=args.min_lr_ratio, seed=args.seed, threads=args.threads,
-                      full_every=args.full_every)
+                      full_every=args.full_every, jobs=args.jobs)
     if cfg.iterations < 1 or cfg.eval_every < 1:
         raise SystemExit("--iterations and --eval-every must be at least 1")
+    if cfg.jobs < 1:
+        raise SystemExit("--jobs must be at least 1")
     if cfg.full_every < 0:
         raise SystemExit("--full-every must be 0 (never) or a positive number of iterations")
     torch.set_num_threads(cfg.threads)
     mcfg = model_config(cfg.model)
     data = DataConfig(corpus=cfg.corpus, microbatch_size=cfg.microbatch_size, seq_len=cfg.seq_len or mcfg.context,
                       seed=cfg.seed)
-    splits = load_splits(data)
+    splits = load_splits(data) if cfg.jobs < 2 else None
     skip = skip_schedule(mcfg.n_stages, cfg.seed)
     full = full_pipeline_schedule(mcfg.n_stages, DATA_NODES, MICROBATCHES, MEMORY)
     tokens_per_it = DATA_NODES * MICROBATCHES * cfg.microbatch_size * data.seq_len
     print(f"convergence: {cfg.model} on {cfg.corpus}, {cfg.iterations} iterations x {DATA_NODES} data nodes x "
           f"{MICROBATCHES} microbatches x {cfg.microbatch_size} x {data.seq_len} tokens "
-          f"= {cfg.iterations * tokens_per_it} tokens per run")
-    runs = [train_run("full", full, cfg, data, splits, args.checkpoints),
-            train_run("skip", skip, cfg, data, splits, args.checkpoints, full_schedule=full)]
+          f"= {cfg.iterations * tokens_per_it} tokens per run"
+          + (" (both variants side by side)" if cfg.jobs >= 2 else ""), flush=True)
+    runs = run_variants(cfg, full, skip, data, splits, args.checkpoints)
     f, s = runs
     gap_pct = (s.val_loss[-1] / f.val_loss[-1] - 1.0) * 100.0
     ppl_gap_pct = (math.exp(s.val_loss[-1] - f.val_loss[-1]) - 1.0) * 100.0
