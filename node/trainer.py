@@ -54,6 +54,7 @@ __all__ = [
     "TrainerConfig",
     "IterationStats",
     "gone_peers",
+    "arrival_time",
     "SchedulePlan",
     "TrainerNode",
     "TrainingStalled",
@@ -688,9 +689,8 @@ class TrainerNode:
             return
         if not isinstance(msg, (ActivationMessage, GradientMessage)) or msg.mb.run_id != self.cfg.run_id:
             return
-        arrived = time.monotonic()
-        if msg.deliver_at_unix is not None:  # held until its emulated delivery: it arrived then, not now
-            arrived -= max(0.0, time.time() - msg.deliver_at_unix)
+        arrived = arrival_time(time.monotonic(), time.time(), msg.deliver_at_unix,
+                               getattr(self.emulation, "link_emulator", None) is not None)
         if msg.route[msg.hop] != self.peer_id:
             logger.warning("%s: misrouted %s for %s", self.node_name, type(msg).__name__, msg.route[msg.hop][-8:])
             return
@@ -1475,6 +1475,17 @@ class TrainerNode:
             await asyncio.get_running_loop().run_in_executor(None, self.averager.shutdown)
             self.averager = None
         self._executor.shutdown(wait=True)
+
+
+def arrival_time(now_mono: float, now_unix: float, deliver_at_unix: Optional[float], emulates_links: bool) -> float:
+    """When a hop message's work could have started (monotonic clock).
+
+    A node that emulates links held a stamped message until its emulated delivery time, so it
+    arrived then, not now: compute padding counts from there. A node that does not emulate links
+    delivered it at once and ignores the stamp (as its data plane does)."""
+    if deliver_at_unix is None or not emulates_links:
+        return now_mono
+    return now_mono - max(0.0, now_unix - deliver_at_unix)
 
 
 def gone_peers(peers, is_alive: Callable[[str], bool], absent_since: Dict[str, float], now: float,

@@ -145,3 +145,13 @@ def test_up_places_nodes_round_robin_and_passes_the_flags_to_daemons(tmp_path):
     assert argv[argv.index("--location") + 1] == "B"
     assert emulation_node_args(None, 0) == []
     assert emulation_from_args(build_parser().parse_args(["up"]), require_location=False) is None
+
+
+def test_arrival_is_backdated_to_the_stamp_only_on_a_node_that_emulates_links():
+    from node.trainer import arrival_time
+
+    # delivered at its stamp 0.25 s ago, so its work could start then
+    assert arrival_time(50.0, 1000.0, 999.75, emulates_links=True) == pytest.approx(49.75)
+    assert arrival_time(50.0, 1000.0, 1000.5, emulates_links=True) == 50.0  # early (clock skew): never later than now
+    assert arrival_time(50.0, 1000.0, None, emulates_links=True) == 50.0
+    assert arrival_time(50.0, 1000.0, 999.75, emulates_links=False) == 50.0  # stamp ignored, as its data plane does
