@@ -19,7 +19,9 @@ Outputs: ``bench/results/convergence.json`` (curves, final losses, gap in %),
 
 Both runs always get the same tokens, the same learning-rate schedule, the same seed and the same
 metric (the full model's validation loss after the last iteration); the "final loss gap" is
-``skip / full - 1`` of those two losses. The defaults (constant lr 3e-3, no warm-up) are the best
+``skip / full - 1`` of those two losses. Next to it, when ``bench/results/wan.json`` exists, the
+same final skip loss is set against the full run's loss after the same *emulated WAN time*
+(``equal_time`` in the json; a derived figure, see :func:`equal_time_gaps`). The defaults (constant lr 3e-3, no warm-up) are the best
 setting measured for the full pipeline. A cosine decay widened the gap at this budget. A constant
 5e-3 closed the gap only by making the full run worse. The figures and the settings tried are in
 ``docs/evaluation.md``.
@@ -60,7 +62,8 @@ from scheduler.cost import CostMatrix  # noqa: E402
 from scheduler.paths import schedule_paths_report  # noqa: E402
 from scheduler.schedule import Schedule  # noqa: E402
 
-__all__ = ["BenchConfig", "RunResult", "skip_schedule", "train_run", "run_variants", "main", "RESULTS_DIR", "DEFAULT_CHECKPOINTS"]
+__all__ = ["BenchConfig", "RunResult", "skip_schedule", "train_run", "run_variants", "loss_at_iteration",
+           "equal_time_gaps", "wan_time_ratios", "main", "RESULTS_DIR", "DEFAULT_CHECKPOINTS"]
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +236,55 @@ def run_variants(cfg: BenchConfig, full, skip, data: DataConfig, splits: Optiona
         return [f.result() for f in futures]
 
 
+def loss_at_iteration(iterations: Sequence[float], losses: Sequence[float], at: float) -> float:
+    """Validation loss of a run after ``at`` iterations, linear between its evaluation points.
+
+    Why linear: the curves are evaluated every ``eval_every`` iterations and are smooth on that
+    scale; anything fancier would claim more than was measured. ``at`` must lie inside the run."""
+    if not iterations or len(iterations) != len(losses):
+        raise ValueError("need one loss per evaluated iteration")
+    if not iterations[0] <= at <= iterations[-1]:
+        raise ValueError(f"iteration {at} is outside the evaluated range {iterations[0]}..{iterations[-1]}")
+    for (i0, l0), (i1, l1) in zip(zip(iterations, losses), zip(iterations[1:], losses[1:])):
+        if i0 <= at <= i1:
+            return l0 if i1 == i0 else l0 + (l1 - l0) * (at - i0) / (i1 - i0)
+    return float(losses[-1])
+
+
+def equal_time_gaps(full_iterations: Sequence[float], full_losses: Sequence[float], skip_iterations: float,
+                    skip_loss: float, time_ratios: dict) -> dict:
+    """The skip run's final loss against the full run's loss after the same *time*, not the same tokens.
+
+    A skip iteration takes ``ratio`` of a full one (measured by ``bench/wan.py`` on the emulated
+    WAN), so in the time of ``skip_iterations`` skip iterations the full pipeline completes
+    ``ratio * skip_iterations``. Returns, per named ratio, that iteration, the full run's loss
+    there and the gap ``skip / full - 1`` in %. This is a derived figure (two measurements
+    combined), reported next to the issue's equal-token gap, never instead of it."""
+    out = {}
+    for name, ratio in time_ratios.items():
+        at = ratio * skip_iterations
+        full_loss = loss_at_iteration(full_iterations, full_losses, at)
+        out[name] = {"time_ratio": ratio, "full_iteration": at, "full_val_loss": full_loss,
+                     "loss_gap_pct": (skip_loss / full_loss - 1.0) * 100.0}
+    return out
+
+
+def wan_time_ratios(path: pathlib.Path) -> dict:
+    """SkipPipe / full iteration-time ratios from a ``bench/wan.py`` result, or {} if there is none.
+
+    Two ratios, because ``bench/wan.py`` measures two spans: the microbatch phase (what the
+    scheduler optimises and the paper reports) and the whole iteration, which adds the replicas'
+    averaging and the optimiser step that skipping does not shorten."""
+    try:
+        wan = json.loads(path.read_text())
+        by_name = {r["schedule"]: r for r in wan["results"]}
+        full, skip = by_name["full pipeline"], by_name["SkipPipe"]
+        return {"microbatch_phase": skip["mean_s"] / full["mean_s"],
+                "whole_iteration": skip["mean_full_iteration_s"] / full["mean_full_iteration_s"]}
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return {}
+
+
 def _as_path_length(schedule) -> int:
     return int(schedule.path_length if isinstance(schedule, Schedule) else schedule["path_length"])
 
@@ -285,12 +337,64 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
     p.add_argument("--checkpoints", type=pathlib.Path, default=DEFAULT_CHECKPOINTS,
                    help="checkpoint root (default runs/convergence)")
+    p.add_argument("--wan-results", type=pathlib.Path, default=RESULTS_DIR / "wan.json",
+                   help="a bench/wan.py result: its SkipPipe/full iteration-time ratios give the equal-time "
+                        "comparison printed after the equal-token gap (default bench/results/wan.json; "
+                        "skipped if missing)")
+    p.add_argument("--summary-only", action="store_true",
+                   help="train nothing: reprint the figures of the convergence.json already in --out "
+                        "(adding the equal-time comparison) and rewrite it")
     return p.parse_args(argv)
+
+
+def _print_summary(result: dict, out: pathlib.Path, checkpoints: Optional[pathlib.Path], plotted: bool) -> None:
+    f, s = result["runs"]["full"], result["runs"]["skip"]
+    print(f"final validation loss: full {f['val_loss'][-1]:.4f}, skip {s['val_loss'][-1]:.4f}; "
+          f"gap {result['final_loss_gap_pct']:+.2f}% in loss, {result['final_perplexity_gap_pct']:+.2f}% in perplexity "
+          f"(same tokens)")
+    scaled = result.get("skip_depth_scaled")
+    if scaled:
+        print(f"skip model at full depth with residual branches of stages 1.. scaled by their visit share "
+              f"{scaled['branch_scale']:.3f} (stochastic-depth inference rule): {scaled['val_loss']:.4f}, "
+              f"gap {scaled['loss_gap_pct']:+.2f}% in loss")
+    for name, g in result.get("equal_time", {}).items():
+        print(f"same time on the emulated WAN ({name.replace('_', ' ')}: a skip iteration takes "
+              f"{g['time_ratio']:.3f} of a full one): full after {g['full_iteration']:.0f} iterations "
+              f"{g['full_val_loss']:.4f}, skip {s['val_loss'][-1]:.4f}, gap {g['loss_gap_pct']:+.2f}%")
+    print(f"stage compute per iteration, skip / full: {result['stage_compute_ratio_skip_vs_full']:.3f}; "
+          f"wall: full {f['seconds']:.0f}s, skip {s['seconds']:.0f}s")
+    print(f"wrote {out / 'convergence.json'}" + (f" and {out / 'convergence.png'}" if plotted else "")
+          + (f"; checkpoints in {checkpoints}" if checkpoints is not None else ""))
+
+
+def _add_equal_time(result: dict, wan_results: pathlib.Path) -> None:
+    f, s = result["runs"]["full"], result["runs"]["skip"]
+    ratios = wan_time_ratios(wan_results)
+    result.pop("equal_time", None)
+    if ratios:
+        result["equal_time"] = equal_time_gaps(f["iterations"], f["val_loss"], s["iterations"][-1],
+                                               s["val_loss"][-1], ratios)
+        result["equal_time_source"] = str(wan_results)
+
+
+def _summary_only(args: argparse.Namespace) -> int:
+    path = args.out / "convergence.json"
+    try:
+        result = json.loads(path.read_text())
+        result["runs"]["full"]["val_loss"], result["runs"]["skip"]["val_loss"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--summary-only: cannot read a convergence result at {path} ({e.__class__.__name__}: {e})")
+    _add_equal_time(result, args.wan_results)
+    path.write_text(json.dumps(result, indent=1))
+    _print_summary(result, args.out, None, plotted=False)
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.summary_only:
+        return _summary_only(args)
     cfg = BenchConfig(model=args.model, corpus=args.corpus, iterations=args.iterations, eval_every=args.eval_every,
                       val_batches=args.val_batches, microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                       lr=args.lr, lr_schedule=args.lr_schedule, warmup_iterations=args.warmup_iterations,
@@ -331,21 +435,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if s.depth_scaled_val_loss is not None:
         result["skip_depth_scaled"] = {"branch_scale": s.branch_scale, "val_loss": s.depth_scaled_val_loss,
                                        "loss_gap_pct": (s.depth_scaled_val_loss / f.val_loss[-1] - 1.0) * 100.0}
+    _add_equal_time(result, args.wan_results)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "convergence.json").write_text(json.dumps(result, indent=1))
     plotted = _plot(runs, args.out / "convergence.png",
                     f"{cfg.model} on {cfg.corpus}: full pipeline vs SkipPipe (k = 1/3)")
-    print(f"final validation loss: full {f.val_loss[-1]:.4f}, skip {s.val_loss[-1]:.4f}; "
-          f"gap {gap_pct:+.2f}% in loss, {ppl_gap_pct:+.2f}% in perplexity")
-    if s.depth_scaled_val_loss is not None:
-        scaled_gap = result["skip_depth_scaled"]["loss_gap_pct"]
-        print(f"skip model at full depth with residual branches of stages 1.. scaled by their visit share "
-              f"{s.branch_scale:.3f} (stochastic-depth inference rule): {s.depth_scaled_val_loss:.4f}, "
-              f"gap {scaled_gap:+.2f}% in loss")
-    print(f"stage compute per iteration, skip / full: {result['stage_compute_ratio_skip_vs_full']:.3f}; "
-          f"wall: full {f.seconds:.0f}s, skip {s.seconds:.0f}s")
-    print(f"wrote {args.out / 'convergence.json'}" + (f" and {args.out / 'convergence.png'}" if plotted else "")
-          + f"; checkpoints in {args.checkpoints}")
+    _print_summary(result, args.out, args.checkpoints, plotted)
     return 0
 
 

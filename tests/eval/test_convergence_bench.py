@@ -40,3 +40,74 @@ def test_bad_jobs_is_one_error_line(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0
     assert "--jobs must be at least 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _bench_module():
+    """bench/convergence.py as a module (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convergence_bench_under_test", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_loss_at_iteration_interpolates_between_evaluations():
+    m = _bench_module()
+    its, losses = [0, 50, 100], [5.0, 3.0, 2.0]
+    assert m.loss_at_iteration(its, losses, 0) == 5.0
+    assert m.loss_at_iteration(its, losses, 25) == pytest.approx(4.0)
+    assert m.loss_at_iteration(its, losses, 75) == pytest.approx(2.5)
+    assert m.loss_at_iteration(its, losses, 100) == 2.0
+    with pytest.raises(ValueError):
+        m.loss_at_iteration(its, losses, 101)
+    with pytest.raises(ValueError):
+        m.loss_at_iteration(its, losses[:2], 10)
+
+
+def test_equal_time_gap_compares_against_the_full_run_at_the_same_time():
+    m = _bench_module()
+    gaps = m.equal_time_gaps([0, 100, 200], [4.0, 2.0, 1.0], 200, 1.5, {"half": 0.5, "same": 1.0})
+    assert gaps["half"]["full_iteration"] == 100 and gaps["half"]["full_val_loss"] == 2.0
+    assert gaps["half"]["loss_gap_pct"] == pytest.approx(-25.0)  # skip is better at equal time
+    assert gaps["same"]["loss_gap_pct"] == pytest.approx(50.0)   # and worse at equal tokens
+
+
+def test_wan_time_ratios_reads_both_spans(tmp_path):
+    m = _bench_module()
+    wan = {"results": [
+        {"schedule": "full pipeline", "mean_s": 40.0, "mean_full_iteration_s": 80.0},
+        {"schedule": "random skip", "mean_s": 90.0, "mean_full_iteration_s": 120.0},
+        {"schedule": "SkipPipe", "mean_s": 10.0, "mean_full_iteration_s": 40.0}]}
+    (tmp_path / "wan.json").write_text(json.dumps(wan))
+    assert m.wan_time_ratios(tmp_path / "wan.json") == {"microbatch_phase": 0.25, "whole_iteration": 0.5}
+    assert m.wan_time_ratios(tmp_path / "missing.json") == {}
+    (tmp_path / "bad.json").write_text("{}")
+    assert m.wan_time_ratios(tmp_path / "bad.json") == {}
+
+
+def test_summary_only_adds_the_equal_time_gap_without_training(tmp_path):
+    result = {"runs": {"full": {"iterations": [0, 10, 20], "val_loss": [5.0, 3.0, 2.0], "seconds": 1.0},
+                       "skip": {"iterations": [0, 10, 20], "val_loss": [5.0, 3.5, 2.5], "seconds": 1.0}},
+              "final_loss_gap_pct": 25.0, "final_perplexity_gap_pct": 64.9, "stage_compute_ratio_skip_vs_full": 4 / 6}
+    (tmp_path / "convergence.json").write_text(json.dumps(result))
+    wan = {"results": [{"schedule": "full pipeline", "mean_s": 40.0, "mean_full_iteration_s": 80.0},
+                       {"schedule": "SkipPipe", "mean_s": 20.0, "mean_full_iteration_s": 80.0}]}
+    (tmp_path / "wan.json").write_text(json.dumps(wan))
+    proc = subprocess.run([sys.executable, str(BENCH), "--summary-only", "--out", str(tmp_path),
+                           "--wan-results", str(tmp_path / "wan.json")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewritten = json.loads((tmp_path / "convergence.json").read_text())
+    assert rewritten["equal_time"]["microbatch_phase"]["full_iteration"] == 10
+    assert rewritten["equal_time"]["microbatch_phase"]["loss_gap_pct"] == pytest.approx(2.5 / 3.0 * 100 - 100)
+    assert rewritten["equal_time"]["whole_iteration"]["loss_gap_pct"] == pytest.approx(25.0)
+    assert "gap -16.67%" in proc.stdout and "(same tokens)" in proc.stdout
+
+
+def test_summary_only_without_a_result_is_one_error_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH), "--summary-only", "--out", str(tmp_path / "none")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "cannot read a convergence result" in proc.stderr and "Traceback" not in proc.stderr
