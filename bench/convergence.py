@@ -105,6 +105,8 @@ class BenchConfig:
     #: processes to train the two variants in: 2 runs them side by side, one per core (each run is
     #: deterministic on its own, so the figures do not depend on this)
     jobs: int = 1
+    #: torch device of both runs ("cpu", "cuda", "cuda:1"): a GPU makes --model small affordable
+    device: str = "cpu"
 
 
 @dataclass
@@ -161,7 +163,8 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
     from node.path_training import stage_routes
 
     mcfg = model_config(cfg.model)
-    trainer = PathTrainer(mcfg, OptimConfig(lr=cfg.lr), data, splits, schedule, seed=cfg.seed)
+    trainer = PathTrainer(mcfg, OptimConfig(lr=cfg.lr), data, splits, schedule, seed=cfg.seed,
+                          device=cfg.device)
     own_routes = trainer.routes
     full_routes = stage_routes(full_schedule) if full_schedule is not None and cfg.full_every > 0 else None
     if full_routes is not None and set(full_routes) != set(own_routes):
@@ -334,6 +337,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes: 2 trains both variants side by side, 1 one after the other; the figures "
                         "are the same either way (default: 2 if the machine has 2 cores or more)")
+    p.add_argument("--device", default=d.device,
+                   help="torch device for both runs, e.g. cuda (default cpu); the two runs share it with --jobs 2")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
     p.add_argument("--checkpoints", type=pathlib.Path, default=DEFAULT_CHECKPOINTS,
                    help="checkpoint root (default runs/convergence)")
@@ -399,13 +404,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       val_batches=args.val_batches, microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                       lr=args.lr, lr_schedule=args.lr_schedule, warmup_iterations=args.warmup_iterations,
                       min_lr_ratio=args.min_lr_ratio, seed=args.seed, threads=args.threads,
-                      full_every=args.full_every, jobs=args.jobs)
+                      full_every=args.full_every, jobs=args.jobs, device=args.device)
     if cfg.iterations < 1 or cfg.eval_every < 1:
         raise SystemExit("--iterations and --eval-every must be at least 1")
     if cfg.jobs < 1:
         raise SystemExit("--jobs must be at least 1")
     if cfg.full_every < 0:
         raise SystemExit("--full-every must be 0 (never) or a positive number of iterations")
+    try:
+        device = torch.device(cfg.device)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise SystemExit(f"--device {cfg.device!r} is not usable here: {str(e).splitlines()[0] if str(e) else e}")
     torch.set_num_threads(cfg.threads)
     mcfg = model_config(cfg.model)
     data = DataConfig(corpus=cfg.corpus, microbatch_size=cfg.microbatch_size, seq_len=cfg.seq_len or mcfg.context,

@@ -17,7 +17,6 @@ import torch
 from node.data import DataConfig, DataShard, TokenSplits
 from node.model import ModelConfig, StageModule, build_stage
 from node.stage_runtime import OptimConfig, StageRuntime, clip_coefficient
-from node.trainer import SchedulePlan
 
 __all__ = ["ReferenceTrainer", "evaluate_loss"]
 
@@ -29,6 +28,10 @@ class ReferenceTrainer:
 
     def __init__(self, model: ModelConfig, optim: OptimConfig, data: DataConfig, splits: TokenSplits,
                  schedule: dict, seed: int = 0, device: str = "cpu"):
+        # imported here, not at the top: node.trainer pulls in the networking stack (hivemind, libp2p),
+        # which evaluate_loss and the single-process benches must not need (a GPU box may lack it)
+        from node.trainer import SchedulePlan
+
         self.plan = SchedulePlan(schedule)
         self.optim = optim
         self.stages = [StageRuntime(build_stage(model, s, seed), optim, device) for s in range(model.n_stages)]
