@@ -120,7 +120,9 @@ class RMSNorm(nn.Module):
 
 def rotary_tables(head_dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for the given sequence positions, shape (T, head_dim/2)."""
-    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    # built on the positions' device: a CPU table here broke every stage placed on a GPU
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    inv_freq = 1.0 / (ROPE_THETA ** exponents)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 

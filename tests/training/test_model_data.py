@@ -66,6 +66,16 @@ def test_attention_is_causal_and_position_aware():
     assert (st(x[:, perm])[:, -1] - y[:, -1]).abs().max() > 1e-5
 
 
+def test_rotary_tables_live_on_the_positions_device():
+    """A stage on a GPU built its rotary tables half on the CPU and crashed (seen on an H200); the
+    meta device stands in for the GPU here: mixing it with a CPU tensor fails the same way."""
+    cos, sin = rotary_tables(16, torch.arange(5, device="meta"))
+    assert cos.device.type == "meta" and sin.device.type == "meta"
+    assert tuple(cos.shape) == (5, 8)
+    stage = build_stage(model_config("tiny"), 1, seed=0).to("meta")
+    assert stage(torch.empty(2, 5, stage.cfg.d_model, device="meta")).device.type == "meta"
+
+
 def test_rotary_scores_depend_only_on_relative_position():
     head_dim = 16
     q, k = torch.randn(head_dim), torch.randn(head_dim)
