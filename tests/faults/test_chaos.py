@@ -23,7 +23,9 @@ from tests.faults.daemon_helpers import train_args, training_state, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SEED = 7
-ITERATIONS = 80
+#: enough that both fresh daemons still find iterations left after joining: with 80, training once ended
+#: while the second (started only after the first was ready) was still waiting for an epoch
+ITERATIONS = 100
 SIZES = [2, 3, 3, 2, 2]
 KILLS = 5  # 50% of the 10 non-data nodes
 
@@ -73,7 +75,10 @@ def test_kill_half_the_stage_nodes_then_add_two(tmp_path):
             time.sleep(delay)
             swarm.kill(victim, signal.SIGKILL)
             log.append((victim, _data_committed(swarm)))
-        fresh = [swarm.add_node(stage=None, timeout=300).index for _ in range(2)]
+        # both at once: started one after the other, the second joined ~40 s later and once found the run over
+        joiners = [swarm.add_node(stage=None, wait=False) for _ in range(2)]
+        swarm.wait_ready(joiners, timeout=300)
+        fresh = [n.index for n in joiners]
         joined = wait_for(swarm, fresh, lambda s: s.get("state") in ("training", "done")
                           and s.get("start_iteration") is not None, 600, "the fresh nodes to train", poll_s=2.0)
         survivors = [n.index for n in swarm.nodes if n.alive]
