@@ -1615,9 +1615,15 @@ class TrainerService:
         self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
 
     def switch_iteration(self, lead_s: float = 0.0) -> Optional[int]:
-        """For the coordinator: the iteration a new epoch should start at (None before training)."""
+        """For the coordinator: the iteration a new epoch should start at (None before training).
+
+        After the last iteration it is the run's end, so an epoch issued then (for a late joiner)
+        says the run is over instead of looking like a fresh start (0) that would gather members
+        at the start barrier until it timed out."""
         if self.state in ("training", "paused") and self.trainer is not None:
             return self.trainer.switch_iteration(lead_s)
+        if self.state == "done":
+            return self.iterations
         return None
 
     def _offer_epoch(self, epoch) -> None:
@@ -1756,6 +1762,15 @@ class TrainerService:
             if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
                 logger.warning("cannot connect to schedule member %s yet", peer[-8:])
         join_at = int(getattr(epoch, "start_iteration", 0)) or None
+        if join_at is not None and join_at >= self.iterations:
+            # the coordinator plans for membership changes even after the run's last iteration, so a
+            # late joiner can be handed an epoch that starts past the end: no replica trains any more,
+            # none will hand over its state, and waiting for one would never end
+            await self._check_joining_config(training_summary(self.config, self.iterations))
+            self.state = "done"
+            logger.warning("the run ended at iteration %d before this node could join (epoch %d starts at "
+                           "iteration %d): nothing to train", self.iterations - 1, epoch.epoch, join_at)
+            return None
         pinned = epoch
 
         def epoch_source():

@@ -102,3 +102,27 @@ def test_join_with_state_download_then_graceful_leave(tmp_path):
 def _params(state: dict):
     model = state.get("model", state)
     return [v for _, v in sorted(model.items()) if isinstance(v, torch.Tensor)]
+
+
+def test_a_node_joining_a_finished_run_ends_instead_of_waiting(tmp_path):
+    """A daemon that joins after the last iteration must say there is nothing to train and end.
+
+    CI once saw the chaos test's second fresh node handed an epoch starting past the run's end (the
+    coordinator keeps planning for membership changes); it then asked the stage's replicas for a
+    state none of them would send, forever."""
+    iterations = 3
+    swarm = LocalSwarm(4, [1, 1, 1, 1], base_dir=tmp_path / "swarm", run_id="finished", heartbeat_s=2.0,
+                       extra_args=lambda i: train_args(iterations, 4))
+    try:
+        swarm.start(timeout=240)
+        wait_for(swarm, range(4), lambda s: s.get("state") == "done", 400, "the run to finish")
+        late = swarm.add_node(stage=None, timeout=240)
+        state = wait_for(swarm, [late.index], lambda s: s.get("state") in ("done", "error", "stopped"), 300,
+                         "the late node to end")[late.index]
+        log = late.log_path.read_text(errors="replace")
+    finally:
+        swarm.stop()
+    assert state["state"] == "done", state
+    assert not state["history"], f"the late node trained after the run's end: {state['history']}"
+    assert "nothing to train" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
