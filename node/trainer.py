@@ -64,6 +64,7 @@ __all__ = [
     "TrainingDisagreement",
     "training_summary",
     "start_key",
+    "finished_key",
     "norm_key",
 ]
 
@@ -1525,6 +1526,11 @@ def start_key(run_id: str) -> str:
     return f"{run_id}:trainstart"
 
 
+#: DHT key (one subkey per member) under which a trainer that finished the run says so, for late joiners.
+def finished_key(run_id: str) -> str:
+    return f"{run_id}:trainfinished"
+
+
 def training_summary(config: TrainerConfig, iterations: int) -> dict:
     """The hyper-parameters every member of a run must share (compared before training starts)."""
     from dataclasses import asdict
@@ -1762,14 +1768,18 @@ class TrainerService:
             if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
                 logger.warning("cannot connect to schedule member %s yet", peer[-8:])
         join_at = int(getattr(epoch, "start_iteration", 0)) or None
-        if join_at is not None and join_at >= self.iterations:
+        summary = training_summary(self.config, self.iterations)
+        past_end = join_at is not None and join_at >= self.iterations
+        if past_end or await self._run_finished(summary):
             # the coordinator plans for membership changes even after the run's last iteration, so a
-            # late joiner can be handed an epoch that starts past the end: no replica trains any more,
-            # none will hand over its state, and waiting for one would never end
-            await self._check_joining_config(training_summary(self.config, self.iterations))
+            # late joiner can be handed an epoch that starts past the end, or at 0 when it coordinates
+            # itself: no replica trains any more, and waiting for one (a state to download, a start
+            # barrier) would never end
+            if past_end:
+                await self._check_joining_config(summary)
             self.state = "done"
             logger.warning("the run ended at iteration %d before this node could join (epoch %d starts at "
-                           "iteration %d): nothing to train", self.iterations - 1, epoch.epoch, join_at)
+                           "iteration %d): nothing to train", self.iterations - 1, epoch.epoch, join_at or 0)
             return None
         pinned = epoch
 
@@ -1785,7 +1795,6 @@ class TrainerService:
             verify_epoch=getattr(daemon, "verify_epoch", None), fetch_epochs=getattr(daemon, "fetch_epochs", None))
         if not first and self._history_before:
             self.trainer.history = list(self._history_before)
-        summary = training_summary(self.config, self.iterations)
         if join_at is not None:
             await self._check_joining_config(summary)
             logger.info("joining the run in progress at iteration %d (epoch %d)", join_at, epoch.epoch)
@@ -1810,7 +1819,35 @@ class TrainerService:
             return None
         self.state = "done" if self.trainer.current_iteration >= self.iterations else "stopped"
         logger.info("training %s at iteration %d", self.state, self.trainer.committed_iteration)
+        if self.state == "done":
+            await self._say_finished(summary)
         return None
+
+    async def _say_finished(self, summary: dict) -> None:
+        """Record in the DHT that this member finished the run (read by :meth:`_run_finished`)."""
+        try:
+            from hivemind.utils import get_dht_time
+
+            record = {"config": summary, "iteration": self.iterations - 1, "time": time.time()}
+            await self.daemon.dht.store(finished_key(self.config.run_id), record,
+                                        expiration_time=get_dht_time() + 3600.0, subkey=str(self.daemon.peer_id),
+                                        return_future=True)
+        except Exception:  # noqa: BLE001 - only late joiners read it; training is over either way
+            logger.debug("could not record the finished run", exc_info=True)
+
+    async def _run_finished(self, summary: dict) -> bool:
+        """Whether a member already finished this run (same configuration, so the same iterations)."""
+        try:
+            res = await self.daemon.dht.get(finished_key(self.config.run_id), latest=True, return_future=True)
+        except Exception:  # noqa: BLE001 - unknown: go on as before
+            return False
+        if res is None or not isinstance(res.value, dict):
+            return False
+        for peer, v in res.value.items():
+            if str(peer) != str(self.daemon.peer_id) and isinstance(v.value, dict) \
+                    and not summary_differences(summary, v.value.get("config") or {}):
+                return True
+        return False
 
     def _drain_pointless(self) -> Optional[str]:
         """Why no epoch without us will come (so waiting for one is pointless), or None."""
