@@ -376,6 +376,7 @@ def _add_equal_time(result: dict, wan_results: pathlib.Path) -> None:
     f, s = result["runs"]["full"], result["runs"]["skip"]
     ratios = wan_time_ratios(wan_results)
     result.pop("equal_time", None)
+    result.pop("equal_time_source", None)
     if ratios:
         result["equal_time"] = equal_time_gaps(f["iterations"], f["val_loss"], s["iterations"][-1],
                                                s["val_loss"][-1], ratios)

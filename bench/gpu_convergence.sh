@@ -20,7 +20,8 @@ EVAL_EVERY=${EVAL_EVERY:-50}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 "$PY" -c 'import sys, torch; d = torch.device(sys.argv[1]); print("torch", torch.__version__, torch.cuda.get_device_name(d) if d.type == "cuda" else d)' "$DEVICE"
-TRIAL=$(mktemp -d)
+TRIAL=$(mktemp -d)          # trial output and both runs' checkpoints; the figures all go to OUT
+trap 'rm -rf "$TRIAL"' EXIT
 "$PY" bench/convergence.py --model "$MODEL" --device "$DEVICE" --iterations 20 --eval-every 20 --val-batches 2 \
     --out "$TRIAL/out" --checkpoints "$TRIAL/ck" "$@" 2>&1 | tee "$OUT/trial.log"
 ITERS=$("$PY" - "$TRIAL/out/convergence.json" "$BUDGET_S" "$EVAL_EVERY" <<'PYEOF'

@@ -1838,16 +1838,10 @@ class TrainerService:
     async def _run_finished(self, summary: dict) -> bool:
         """Whether a member already finished this run (same configuration, so the same iterations)."""
         try:
-            res = await self.daemon.dht.get(finished_key(self.config.run_id), latest=True, return_future=True)
+            records = await self._others_records(finished_key(self.config.run_id))
         except Exception:  # noqa: BLE001 - unknown: go on as before
             return False
-        if res is None or not isinstance(res.value, dict):
-            return False
-        for peer, v in res.value.items():
-            if str(peer) != str(self.daemon.peer_id) and isinstance(v.value, dict) \
-                    and not summary_differences(summary, v.value.get("config") or {}):
-                return True
-        return False
+        return any(not summary_differences(summary, record["config"]) for _, record in records)
 
     def _drain_pointless(self) -> Optional[str]:
         """Why no epoch without us will come (so waiting for one is pointless), or None."""
@@ -1862,18 +1856,21 @@ class TrainerService:
             return "no other ONLINE data node to coordinate"
         return None
 
+    async def _others_records(self, key: str) -> List[Tuple[str, dict]]:
+        """(peer, record) of every other member under a per-member DHT key that carries a ``config``."""
+        res = await self.daemon.dht.get(key, latest=True, return_future=True)
+        if res is None or not isinstance(res.value, dict):
+            return []
+        me = str(self.daemon.peer_id)
+        return [(str(peer), v.value) for peer, v in res.value.items()
+                if str(peer) != me and isinstance(v.value, dict) and v.value.get("config")]
+
     async def _check_joining_config(self, summary: dict) -> None:
         """A joiner skips the start barrier, but must still train with the run's hyper-parameters."""
-        res = await self.daemon.dht.get(start_key(self.config.run_id), latest=True, return_future=True)
-        if res is None or not isinstance(res.value, dict):
-            return
-        for peer, v in res.value.items():
-            if str(peer) != str(self.daemon.peer_id) and isinstance(v.value, dict) and v.value.get("config"):
-                diff = summary_differences(summary, v.value["config"])
-                if diff:
-                    raise TrainingDisagreement(f"training configuration differs from {str(peer)[-8:]}: "
-                                               + "; ".join(diff))
-                return
+        for peer, record in (await self._others_records(start_key(self.config.run_id)))[:1]:
+            diff = summary_differences(summary, record["config"])
+            if diff:
+                raise TrainingDisagreement(f"training configuration differs from {peer[-8:]}: " + "; ".join(diff))
 
     def _emulation(self, daemon):
         if self.emulation is None:
