@@ -419,13 +419,15 @@ class TrainerNode:
         if padder is not None:
             return padder.target_s("forward", self.cfg.data.microbatch_size, self.runtime.n_layers)
         m, d = self.cfg.model, self.cfg.data
-        x = torch.randn(d.microbatch_size, d.seq_len, m.d_model)
+        device = self.runtime.device
+        x = torch.randn(d.microbatch_size, d.seq_len, m.d_model, device=device)
         times = []
         with torch.no_grad():
             for _ in range(3):
                 t0 = time.perf_counter()
                 if self.stage == 0:
-                    self.runtime.module.head_loss(x, torch.zeros(d.microbatch_size, d.seq_len, dtype=torch.long))
+                    self.runtime.module.head_loss(
+                        x, torch.zeros(d.microbatch_size, d.seq_len, dtype=torch.long, device=device))
                 else:
                     self.runtime.module(x)
                 times.append(time.perf_counter() - t0)

@@ -157,3 +157,20 @@ def test_branch_scale_interpolates_between_skipping_and_the_plain_stage():
         assert torch.equal(stage(x), plain)
     assert 0 < (half - x).norm() < (plain - x).norm()
     assert "branch_scale" not in stage.state_dict()
+
+
+@pytest.mark.parametrize("stage_index", [0, 1])
+def test_forward_time_probe_runs_on_the_stages_device(stage_index):
+    """The trainer times one forward at setup; its probe tensors must be built on the stage's device.
+
+    The meta device stands in for a GPU: a probe built on the CPU fails against a meta stage the same way
+    it failed against a CUDA stage."""
+    import types
+
+    from node.stage_runtime import OptimConfig, StageRuntime
+    from node.trainer import TrainerConfig, TrainerNode
+
+    cfg = TrainerConfig(device="meta")
+    runtime = StageRuntime(build_stage(cfg.model, stage_index, seed=0), OptimConfig(), "meta")
+    probe = types.SimpleNamespace(emulation=None, cfg=cfg, runtime=runtime, stage=stage_index)
+    assert TrainerNode._measure_forward_s(probe) >= 0.0
