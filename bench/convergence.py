@@ -2,7 +2,7 @@
 
 Why: skipping a third of the stages per microbatch makes iterations cheaper, but only pays off
 if the model still converges about as well per token. This trains the same model twice in one
-process (:mod:`node.path_training`, the paper's "simulate-training" setup):
+process (:mod:`node.eval.path_training`, the paper's "simulate-training" setup):
 
 * **full**: every microbatch visits all 6 stages in order;
 * **skip**: paths of 4 of the 6 stages (skip ratio k = 1/3) from
@@ -52,12 +52,12 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 
-from node.data import DataConfig, TokenSplits, load_splits, validation_batches  # noqa: E402
-from node.model import model_config  # noqa: E402
-from node.plotting import load_pyplot  # noqa: E402
-from node.path_training import PathTrainer, full_pipeline_schedule  # noqa: E402
-from node.reference import evaluate_loss  # noqa: E402
-from node.stage_runtime import OptimConfig  # noqa: E402
+from node.train.data import DataConfig, TokenSplits, load_splits, validation_batches  # noqa: E402
+from node.train.model import model_config  # noqa: E402
+from node.ops.plotting import load_pyplot  # noqa: E402
+from node.eval.path_training import PathTrainer, full_pipeline_schedule  # noqa: E402
+from node.train.reference import evaluate_loss  # noqa: E402
+from node.train.runtime import OptimConfig  # noqa: E402
 from scheduler.cost import CostMatrix  # noqa: E402
 from scheduler.paths import schedule_paths_report  # noqa: E402
 from scheduler.schedule import Schedule  # noqa: E402
@@ -160,7 +160,7 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
 
     With ``full_schedule`` and ``cfg.full_every`` > 0, every ``full_every``-th iteration follows
     ``full_schedule`` instead (same data nodes and microbatches, so the same tokens)."""
-    from node.path_training import stage_routes
+    from node.eval.path_training import stage_routes
 
     mcfg = model_config(cfg.model)
     trainer = PathTrainer(mcfg, OptimConfig(lr=cfg.lr), data, splits, schedule, seed=cfg.seed,

@@ -1,6 +1,6 @@
 """Activation throughput and per-hop latency of the node's data plane, next to a raw hivemind stream.
 
-Why: ``node/dataplane.py`` wraps hivemind's binary streams (``P2P.send_raw_data`` with 8-byte
+Why: ``node/dataplane/transport.py`` wraps hivemind's binary streams (``P2P.send_raw_data`` with 8-byte
 length framing on one persistent stream per neighbour) with the wire protocol (msgpack envelope
 around a raw-bytes :class:`~protocol.TensorFrame`). The wrapping should cost little: the target is
 data-plane throughput >= 0.80 x the raw stream on the same machine.
@@ -20,7 +20,7 @@ Measured per transfer, stop-and-wait (the next transfer starts when the previous
 
 The two are interleaved round by round (warm-up first), so load drift on the shared CPUs hits
 both; the ratio is the median over rounds of (dataplane median / raw median in that round).
-The data plane's time is split by wrapping ``node.dataplane.encode``/``decode`` (in this
+The data plane's time is split by wrapping ``node.dataplane.transport.encode``/``decode`` (in this
 process only; the module's file is untouched): frame (from_tensor), encode, send (write + drain
 until ``send`` returns), wait (until B's decode starts: the rest of the bytes in flight and
 ``receive_raw_data``), decode, to_tensor.
@@ -32,7 +32,7 @@ a round trip.
 
 Run: ``python bench/dataplane.py [--rounds N] [--profile] [--default-malloc]`` (``--profile``: cProfile
 of extra 32 MiB data-plane transfers, top functions by total time). By default the bench applies
-the node's malloc tuning (node.memory.tune_malloc, as every skippipe process does), so that buffers of
+the node's malloc tuning (node.ops.memory.tune_malloc, as every skippipe process does), so that buffers of
 >= 32 MiB are reused from the heap instead of being mmapped and page-faulted afresh for every copy;
 ``--default-malloc`` measures without it.
 """
@@ -62,8 +62,8 @@ hivemind = import_hivemind()
 import torch  # noqa: E402
 import uvloop  # noqa: E402
 
-import node.dataplane as dataplane_module  # noqa: E402
-from node.dataplane import DataPlane  # noqa: E402
+import node.dataplane.transport as dataplane_module  # noqa: E402
+from node.dataplane.transport import DataPlane  # noqa: E402
 from protocol import ActivationMessage, GradientMessage, MicrobatchId, TensorFrame  # noqa: E402
 
 P2P = hivemind.p2p.P2P
@@ -318,12 +318,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--profile", action="store_true", help="also cProfile 32 MiB data-plane transfers")
     parser.add_argument("--default-malloc", action="store_true",
-                        help="keep glibc's malloc defaults instead of the node's tuning (node.memory.tune_malloc)")
+                        help="keep glibc's malloc defaults instead of the node's tuning (node.ops.memory.tune_malloc)")
     args = parser.parse_args(argv)
     if not args.default_malloc:
-        from node.memory import tune_malloc
+        from node.ops.memory import tune_malloc
 
-        print(f"node.memory.tune_malloc() (as every skippipe process does): {'ok' if tune_malloc() else 'FAILED'}")
+        print(f"node.ops.memory.tune_malloc() (as every skippipe process does): {'ok' if tune_malloc() else 'FAILED'}")
     torch.manual_seed(0)
     uvloop.run(run(args))
 

@@ -2,7 +2,7 @@
 
 Why: the README's failure rule ("When nodes fail, join or leave") promises that training goes on
 when volunteers crash or arrive. This measures how much it costs, on real daemons: one swarm of
-``skippipe node run --train`` processes (:class:`node.local_swarm.LocalSwarm`, one process group
+``skippipe node run --train`` processes (:class:`node.testing.process_swarm.LocalSwarm`, one process group
 each) trains a tiny model on 127.0.0.1 while this script kills and adds nodes.
 
 Phases, one after another on the same swarm (defaults in brackets):
@@ -119,7 +119,7 @@ def kill_plan(stage_sizes: Sequence[int], fractions: Sequence[float]) -> List[Li
 # ---------------------------------------------------------------------------------------------- polling
 def training_state(node, limit: int = 1, timeout: float = 10.0) -> Optional[dict]:
     """A node's ``training`` RPC, or None if it does not answer (dead, starting, busy)."""
-    from node.rpc import call_http
+    from node.net.rpc import call_http
 
     if not node.alive or not node.info:
         return None
@@ -433,7 +433,7 @@ def start_swarm(swarm, args, UserError) -> None:
 
 def run_swarm(args, base: pathlib.Path) -> dict:
     from node.errors import UserError
-    from node.local_swarm import LocalSwarm
+    from node.testing.process_swarm import LocalSwarm
 
     plan = kill_plan(args.sizes, args.lose)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -675,7 +675,7 @@ def _main(args) -> int:
         try:
             import node.compat  # noqa: F401  the daemons' own imports (torch, hivemind)
             import torch  # noqa: F401
-            from node.local_swarm import LocalSwarm  # noqa: F401
+            from node.testing.process_swarm import LocalSwarm  # noqa: F401
         except ImportError as e:
             raise BenchError(f"cannot import the node package ({e}); run with the project's venv: "
                              ".venv/bin/python bench/faults.py (bash scripts/setup.sh creates it)") from None

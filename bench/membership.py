@@ -28,8 +28,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.local_swarm import LocalSwarm  # noqa: E402
-from node.rpc import RpcCallError, call_http  # noqa: E402
+from node.testing.process_swarm import LocalSwarm  # noqa: E402
+from node.net.rpc import RpcCallError, call_http  # noqa: E402
 
 #: Seconds between RPC polls of every view.
 POLL_S = 0.2

@@ -33,8 +33,8 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 
-from node.data import load_splits, validation_batches  # noqa: E402
-from node.omission import LoadedModel, data_config_for, evaluate_kept, load_checkpoint_dir  # noqa: E402
+from node.train.data import load_splits, validation_batches  # noqa: E402
+from node.eval.omission import LoadedModel, data_config_for, evaluate_kept, load_checkpoint_dir  # noqa: E402
 
 __all__ = ["omission_table", "main"]
 

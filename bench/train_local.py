@@ -2,7 +2,7 @@
 
 Everything runs on this machine: the swarm is the in-process harness of ``skippipe up`` (one p2pd +
 hivemind DHT per node, real libp2p streams and DecentralizedAverager), the baseline is
-:class:`node.reference.ReferenceTrainer` (the same model, batches and optimizer, no network).
+:class:`node.train.reference.ReferenceTrainer` (the same model, batches and optimizer, no network).
 Every configuration processes the same number of microbatches per iteration, so tokens/s are
 comparable; ratios are swarm / single-process. On a machine with few cores the swarm's nodes share
 them, so this measures protocol + scheduling overhead, not the speed-up of real distributed GPUs.
@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from node.commands.up import LocalSwarm, build_schedule  # noqa: E402
-from node.data import DataConfig, load_splits  # noqa: E402
-from node.model import model_config  # noqa: E402
-from node.reference import ReferenceTrainer  # noqa: E402
-from node.stage_runtime import OptimConfig  # noqa: E402
-from node.trainer import TrainerConfig  # noqa: E402
+from node.cli.up import LocalSwarm, build_schedule  # noqa: E402
+from node.train.data import DataConfig, load_splits  # noqa: E402
+from node.train.model import model_config  # noqa: E402
+from node.train.reference import ReferenceTrainer  # noqa: E402
+from node.train.runtime import OptimConfig  # noqa: E402
+from node.train.trainer import TrainerConfig  # noqa: E402
 
 DATA_NODES = 2
 MICROBATCHES = 4  # per data node per iteration

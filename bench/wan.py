@@ -2,7 +2,7 @@
 
 Why: the scheduler's claim (SkipPipe iterations ~1/3 of a full pipeline's on the geo-distributed
 profile) is a simulator result; this measures it on the real training runtime, with every
-data-plane message delayed as the profile's links would delay it (:mod:`node.link_emulation`) and
+data-plane message delayed as the profile's links would delay it (:mod:`node.dataplane.emulation`) and
 every compute step padded to the profile's GPU speed, and prints the simulator's prediction for
 the very same schedule and cost matrix next to the measurement.
 
@@ -13,7 +13,7 @@ Setup (one invocation, back to back, same model, same data):
   (:func:`scheduler.allocation.allocate` over the 20 round-robin placed nodes) decides which
   location holds which stage, the same for all three schedules.
 * **Default harness: 20 real daemons** (``skippipe node run --train`` processes started by
-  :class:`node.local_swarm.LocalSwarm`, one process group each), one fresh swarm per schedule
+  :class:`node.testing.process_swarm.LocalSwarm`, one process group each), one fresh swarm per schedule
   policy, back to back: ``--schedule-policy full`` (:func:`scheduler.baselines.full_pipeline`),
   ``random`` (:func:`scheduler.baselines.random_skip`) and ``skippipe``
   (:func:`scheduler.paths.schedule_paths`), each computed by the swarm's own coordinator. Every
@@ -22,7 +22,7 @@ Setup (one invocation, back to back, same model, same data):
   ``--schedule-cost emulation`` so the coordinator schedules for the emulated links (the daemons'
   link probes run over loopback and would otherwise make every schedule network-blind). Torch is
   limited to 1 thread per daemon. ``--in-process`` runs the older harness instead
-  (:class:`node.commands.up.LocalSwarm`: 20 nodes with real hivemind P2P + DHT in this process,
+  (:class:`node.cli.up.LocalSwarm`: 20 nodes with real hivemind P2P + DHT in this process,
   schedules computed here, epochs switched on one swarm).
 * Model: tiny (6 stages x 1 layer, d_model 64, context 64, fp32 activations of 8 x 64 x 64 x 4 =
   128 KiB). It stands in for the paper's setting (4 layers per stage, d_model 1024, context 1024:
@@ -43,7 +43,7 @@ Setup (one invocation, back to back, same model, same data):
   prediction does too). The reference's unshared-link prediction is printed next to it.
 * Emulation fidelity: hop messages carry their emulated delivery time and compute is padded from
   when a step could start, so the host's real overheads run inside the emulated budgets instead of
-  on top of them (:mod:`node.link_emulation`). Where they do not fit, the run says by how much
+  on top of them (:mod:`node.dataplane.emulation`). Where they do not fit, the run says by how much
   ("behind the emulation": compute overrun and late frames per iteration, summed over nodes).
 
 Measured "iteration time" = the microbatch phase of an iteration (first forward to the last
@@ -81,7 +81,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import node.compat  # noqa: E402,F401  (before hivemind)
-from node.plotting import load_pyplot  # noqa: E402
+from node.ops.plotting import load_pyplot  # noqa: E402
 
 __all__ = ["main", "scaled_profile", "build_setting"]
 
@@ -114,7 +114,7 @@ def scaled_profile(profile, latency_scale: float, bandwidth_scale: float, comput
 
 def build_setting(args) -> dict:
     """Scaled profile, node locations, cost matrix, allocation and the three schedules."""
-    from node.model import model_config
+    from node.train.model import model_config
     from scheduler.allocation import allocate
     from scheduler.baselines import full_pipeline, random_skip
     from scheduler.cost import (CostParams, LinkProfile, ModelShape, activation_bytes, build_cost, link_busy_matrix,
@@ -161,10 +161,10 @@ def build_setting(args) -> dict:
 
 async def run_live(args, setting: dict) -> Dict[str, dict]:
     """One in-process swarm; each schedule for ``warmup + iterations`` iterations, back to back."""
-    from node.commands.up import LocalSwarm
-    from node.data import DataConfig, load_splits
-    from node.link_emulation import Emulation
-    from node.trainer import TrainerConfig
+    from node.cli.up import LocalSwarm
+    from node.train.data import DataConfig, load_splits
+    from node.dataplane.emulation import Emulation
+    from node.train.trainer import TrainerConfig
     from protocol import ScheduleEpoch
 
     data_cfg = DataConfig(corpus="shakespeare", microbatch_size=args.samples, seq_len=TINY_SEQ_LEN, seed=args.seed)
@@ -237,7 +237,7 @@ def _behind_text(behind: dict) -> str:
 
 
 def daemon_locations(setting: dict) -> List[str]:
-    """Location of each daemon of :class:`node.local_swarm.LocalSwarm` (index i holds stage
+    """Location of each daemon of :class:`node.testing.process_swarm.LocalSwarm` (index i holds stage
     ``layout[i]``, replicas of a stage in allocation order): the allocation's node placement."""
     locs = setting["locations"]
     return [locs[v] for stage in setting["stages"] for v in stage]
@@ -285,8 +285,8 @@ def _route_stages(schedule_json: dict) -> List[List[int]]:
 def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib.Path) -> dict:
     """One fresh swarm of ``args.nodes`` daemons with ``--schedule-policy policy``; train, measure, stop."""
     from node.errors import UserError
-    from node.local_swarm import LocalSwarm as DaemonSwarm
-    from node.rpc import call_http
+    from node.testing.process_swarm import LocalSwarm as DaemonSwarm
+    from node.net.rpc import call_http
 
     locations = daemon_locations(setting)
     stage_sizes = [len(s) for s in setting["stages"]]
@@ -430,7 +430,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadlock-grace-s", type=float, default=30.0)
     p.add_argument("--iteration-timeout-s", type=float, default=300.0)
     p.add_argument("--in-process", action="store_true",
-                   help="one in-process swarm (node.commands.up.LocalSwarm) instead of 20 daemons per policy")
+                   help="one in-process swarm (node.cli.up.LocalSwarm) instead of 20 daemons per policy")
     p.add_argument("--heartbeat", type=float, default=DAEMON_HEARTBEAT_S,
                    help="daemons: advert heartbeat, s (TTL = 3x). 20 daemons on 2 cores starve heartbeats at 2 s, "
                         "and a live node that looks gone costs recomputations (default %(default)s)")
@@ -473,7 +473,7 @@ def _main(argv=None) -> int:
         live = asyncio.run(run_live(args, setting))
         startup = live.pop("_startup_s")["value"]
     else:
-        harness = (f"{args.nodes} skippipe node run --train daemons per policy (node.local_swarm.LocalSwarm), one fresh "
+        harness = (f"{args.nodes} skippipe node run --train daemons per policy (node.testing.process_swarm.LocalSwarm), one fresh "
                    "swarm per --schedule-policy, schedules by the swarm's coordinator (--schedule-cost emulation)")
         print(f"  swarm: {harness}; daemon locations {daemon_locations(setting)}", flush=True)
         live = run_daemons(args, setting)

@@ -38,11 +38,13 @@ __all__ = [
     "RpcResponse",
     "PEER_STATES",
     "MEMBERSHIP_KINDS",
+    "PEER_STATE_ORDER",
     "MAX_PORT",
 ]
 
-#: Lifecycle states a peer advertises in :class:`StageAdvert`.
-PEER_STATES: frozenset[str] = frozenset({"JOINING", "ONLINE", "DRAINING", "OFFLINE"})
+#: Lifecycle states a peer advertises in :class:`StageAdvert`, in lifecycle order.
+PEER_STATE_ORDER: tuple[str, ...] = ("JOINING", "ONLINE", "DRAINING", "OFFLINE")
+PEER_STATES: frozenset[str] = frozenset(PEER_STATE_ORDER)
 #: Kinds of :class:`MembershipEvent`.
 MEMBERSHIP_KINDS: frozenset[str] = frozenset({"join", "leave", "suspect", "alive"})
 #: Highest TCP/UDP port number (16-bit field).
@@ -64,7 +66,7 @@ def _check_route(owner: str, mb: MicrobatchId, hop: int, route: tuple[str, ...])
 
 def _check_delivery(owner: str, deliver_at_unix: float | None) -> None:
     """An emulated delivery time is a finite, non-negative Unix time (how long a receiver honours it
-    is the receiver's business: :mod:`node.dataplane` caps the hold)."""
+    is the receiver's business: :mod:`node.dataplane.transport` caps the hold)."""
     if deliver_at_unix is not None and not (math.isfinite(deliver_at_unix) and deliver_at_unix >= 0):
         raise MalformedMessage(f"{owner}.deliver_at_unix must be a finite time >= 0, got {deliver_at_unix!r}")
 

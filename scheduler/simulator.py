@@ -16,7 +16,7 @@ Model (the reference's ``com_sym.py`` model, event-driven instead of 1-second sl
 * Links do not share bandwidth by default (as in the reference). With ``link_busy_s`` (seconds a
   transfer occupies the directed link: bytes / bandwidth) transfers on one link queue for it,
   first come first served, and the rest of ``link_s`` (latency, per-hop overhead) follows. That is
-  what a real link and :mod:`node.link_emulation` do, and it matters where routes collide: on the
+  what a real link and :mod:`node.dataplane.emulation` do, and it matters where routes collide: on the
   geo-distributed profile a random-skip schedule's prediction moves from 17.3 s to 21.4 s with
   sharing, and the live in-process run measured 21.4 s (docs/emulation.md). No DP all-reduce is
   modelled.

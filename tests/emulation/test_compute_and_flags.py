@@ -9,11 +9,11 @@ import types
 import pytest
 import torch
 
-from node.emulation_args import add_emulation_arguments, daemon_peer_locations, emulation_from_args
+from node.cli.emulation_args import add_emulation_arguments, daemon_peer_locations, emulation_from_args
 from node.errors import UserError
-from node.link_emulation import ComputePadder
-from node.model import build_stage, model_config
-from node.stage_runtime import OptimConfig, StageRuntime
+from node.dataplane.emulation import ComputePadder
+from node.train.model import build_stage, model_config
+from node.train.runtime import OptimConfig, StageRuntime
 
 S_PER_SAMPLE_PER_LAYER = 0.02
 SAMPLES = 4
@@ -114,7 +114,7 @@ def test_node_run_accepts_the_flags_and_builds_a_trainer_service_with_them(tmp_p
     import json
 
     from node.cli import build_parser
-    from node.commands.train_args import training_services_from_args
+    from node.cli.train_args import training_services_from_args
 
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"locations": ["A", "B"], "links": {"A-B": {"latency_ms": 10, "bandwidth_GiBps": 1}}}))
@@ -130,7 +130,7 @@ def test_up_places_nodes_round_robin_and_passes_the_flags_to_daemons(tmp_path):
     import json
 
     from node.cli import build_parser
-    from node.emulation_args import emulation_node_args, round_robin_emulation_for
+    from node.cli.emulation_args import emulation_node_args, round_robin_emulation_for
 
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"locations": ["A", "B"], "links": {"A-B": {"latency_ms": 10, "bandwidth_GiBps": 1}},
@@ -148,7 +148,7 @@ def test_up_places_nodes_round_robin_and_passes_the_flags_to_daemons(tmp_path):
 
 
 def test_arrival_is_backdated_to_the_stamp_only_on_a_node_that_emulates_links():
-    from node.trainer import arrival_time
+    from node.train.trainer import arrival_time
 
     # delivered at its stamp 0.25 s ago, so its work could start then
     assert arrival_time(50.0, 1000.0, 999.75, emulates_links=True) == pytest.approx(49.75)

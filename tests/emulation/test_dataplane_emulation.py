@@ -16,8 +16,8 @@ import torch
 
 import node.compat  # noqa: F401  (before hivemind)
 from node.compat import import_hivemind
-from node.dataplane import DataPlane
-from node.link_emulation import Emulation
+from node.dataplane.transport import DataPlane
+from node.dataplane.emulation import Emulation
 from protocol import ActivationMessage, MicrobatchId, TensorFrame, encode
 from scheduler.cost import LinkProfile
 
@@ -167,7 +167,7 @@ def test_stamps_are_ignored_by_a_node_that_does_not_emulate_and_capped_by_one_th
     """A production node never holds a frame for a peer's say-so; an emulating one at most MAX_EMULATED_HOLD_S."""
     import dataclasses as dc
 
-    import node.dataplane as dataplane
+    import node.dataplane.transport as dataplane
 
     async def main(receiver_emulates: bool):
         a, b, pa, pb, arrivals = await _pair(emulate=True, receiver_emulates=receiver_emulates)

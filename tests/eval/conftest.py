@@ -8,20 +8,20 @@ CHECKPOINT_ITERATIONS = 15
 
 @pytest.fixture(scope="session")
 def data_cfg():
-    from node.data import DataConfig
+    from node.train.data import DataConfig
 
     return DataConfig(microbatch_size=4)
 
 
 @pytest.fixture(scope="session")
 def splits(_cache_dir, data_cfg):
-    from node.data import load_splits
+    from node.train.data import load_splits
 
     return load_splits(data_cfg)
 
 
 def skip_schedule():
-    from node.commands.up import build_schedule
+    from node.cli.up import build_schedule
 
     # 2 data nodes, replicas 2,2,1,1,1, paths of 4/6 stages, some reordered
     return build_schedule(6, data_nodes=2, replicas=[2, 2, 1, 1, 1], path_length=4, microbatches=4, memory=2,
@@ -31,9 +31,9 @@ def skip_schedule():
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, splits, data_cfg):
     """(trainer, checkpoint run folder) after a short skip-path run."""
-    from node.model import model_config
-    from node.path_training import PathTrainer
-    from node.stage_runtime import OptimConfig
+    from node.train.model import model_config
+    from node.eval.path_training import PathTrainer
+    from node.train.runtime import OptimConfig
 
     trainer = PathTrainer(model_config("tiny"), OptimConfig(lr=3e-3), data_cfg, splits, skip_schedule(), seed=0)
     for _ in range(CHECKPOINT_ITERATIONS):

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from node.checkpoint import CheckpointStore
-from node.data import validation_batches
+from node.train.checkpoint import CheckpointStore
+from node.train.data import validation_batches
 from node.errors import UserError
-from node.omission import (check_kept_stages, evaluate_kept, load_checkpoint_dir, omitted_count,
+from node.eval.omission import (check_kept_stages, evaluate_kept, load_checkpoint_dir, omitted_count,
                            random_kept_subsets)
-from node.reference import evaluate_loss
-from node.stage_runtime import OptimConfig, StageRuntime
+from node.train.reference import evaluate_loss
+from node.train.runtime import OptimConfig, StageRuntime
 
 
 @pytest.fixture(scope="module")

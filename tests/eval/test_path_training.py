@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from node.data import validation_batches
-from node.model import model_config
-from node.path_training import PathTrainer, full_pipeline_schedule, stage_routes
-from node.reference import ReferenceTrainer, evaluate_loss
-from node.stage_runtime import OptimConfig
+from node.train.data import validation_batches
+from node.train.model import model_config
+from node.eval.path_training import PathTrainer, full_pipeline_schedule, stage_routes
+from node.train.reference import ReferenceTrainer, evaluate_loss
+from node.train.runtime import OptimConfig
 from tests.eval.conftest import skip_schedule
 
 #: fp32 tolerance of "the same training as the reference" (the brief's bound)

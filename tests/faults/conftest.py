@@ -5,6 +5,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def splits(_cache_dir):
-    from node.data import DataConfig, load_splits
+    from node.train.data import DataConfig, load_splits
 
     return load_splits(DataConfig())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, Iterable, Optional
 
-from node.local_swarm import LocalNode, LocalSwarm
-from node.rpc import call_http
+from node.testing.process_swarm import LocalNode, LocalSwarm
+from node.net.rpc import call_http
 
 __all__ = ["training_state", "wait_for", "train_args"]
 

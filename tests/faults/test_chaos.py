@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from node.local_swarm import LocalSwarm
+from node.testing.process_swarm import LocalSwarm
 from tests.faults.daemon_helpers import train_args, training_state, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

@@ -20,9 +20,9 @@ import time
 import pytest
 import torch
 
-from node.checkpoint import CheckpointStore
-from node.commands.swarm_cmd import fetch_status, format_status
-from node.local_swarm import LocalSwarm
+from node.train.checkpoint import CheckpointStore
+from node.cli.swarm_cmd import fetch_status, format_status
+from node.testing.process_swarm import LocalSwarm
 from tests.faults.daemon_helpers import train_args, training_state, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

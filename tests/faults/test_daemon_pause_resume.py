@@ -13,8 +13,8 @@ import signal
 
 import pytest
 
-from node.commands.swarm_cmd import fetch_status, format_status
-from node.local_swarm import LocalSwarm
+from node.cli.swarm_cmd import fetch_status, format_status
+from node.testing.process_swarm import LocalSwarm
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.deadlines import HopDeadlines
-from node.link_emulation import Emulation
-from node.trainer import TrainerNode
+from node.train.deadlines import HopDeadlines
+from node.dataplane.emulation import Emulation
+from node.train.trainer import TrainerNode
 from scheduler.cost import LinkProfile
 
 PROFILE = LinkProfile.from_dict({

@@ -5,9 +5,9 @@ import types
 
 import torch
 
-from node.model import build_stage, model_config
-from node.stage_runtime import OptimConfig, StageRuntime
-from node.trainer import TrainerConfig, TrainerNode
+from node.train.model import build_stage, model_config
+from node.train.runtime import OptimConfig, StageRuntime
+from node.train.trainer import TrainerConfig, TrainerNode
 
 
 def _node(peer_id: str, stage: int = 1):
@@ -49,7 +49,7 @@ def test_skip_step_leaves_parameters_untouched():
 
 
 def test_a_peer_counts_as_gone_only_after_the_grace_and_a_return_resets_it():
-    from node.trainer import gone_peers
+    from node.train.trainer import gone_peers
 
     alive = {"a": True, "b": False, "c": False}
     absent: dict = {}

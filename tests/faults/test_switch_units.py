@@ -2,8 +2,8 @@
 
 import types
 
-from node.coordinator import Coordinator, RunConfig
-from node.trainer import IterationStats, TrainerConfig, TrainerNode
+from node.swarm.coordinator import Coordinator, RunConfig
+from node.train.trainer import IterationStats, TrainerConfig, TrainerNode
 
 
 def _trainer(current: int, seconds=()):

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Callable
 
-from node.rpc import RpcCallError, call_http
+from node.net.rpc import RpcCallError, call_http
 
 __all__ = ["poll", "rpc", "run_cli", "error_lines", "DEADLINE_S"]
 

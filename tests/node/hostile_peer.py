@@ -1,7 +1,7 @@
 """A hostile data-plane peer for tests: builds bad frames and writes them onto real hivemind streams.
 
 It talks to a node's data-plane handler directly (``P2P.call_binary_stream_handler`` + raw
-8-byte-length frames), so it can send what :class:`node.dataplane.DataPlane` never would: random
+8-byte-length frames), so it can send what :class:`node.dataplane.transport.DataPlane` never would: random
 bytes, broken msgpack, a length header that promises gigabytes, and well-formed messages that are
 wrong for the run.
 """
@@ -19,7 +19,7 @@ import torch
 
 import node.compat  # noqa: F401  (before hivemind)
 from node.compat import import_hivemind
-from node.dataplane import handler_name
+from node.dataplane.transport import handler_name
 from protocol import ActivationMessage, GradientMessage, IterationDone, MicrobatchId, TensorFrame, encode
 
 __all__ = [
@@ -79,7 +79,7 @@ def malformed_msgpack(rng: random.Random, valid: bytes) -> bytes:
 
 
 async def connect(p2p, others: Sequence) -> None:
-    """Dial every P2P in ``others`` from ``p2p`` (the way node.commands.up.LocalSwarm wires its nodes)."""
+    """Dial every P2P in ``others`` from ``p2p`` (the way node.cli.up.LocalSwarm wires its nodes)."""
     for other in others:
         await p2p._client.connect(other.peer_id, other._visible_maddrs)
 

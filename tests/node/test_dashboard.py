@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from node.local_swarm import LocalSwarm
+from node.testing.process_swarm import LocalSwarm
 from tests.node.helpers import DEADLINE_S, poll, rpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

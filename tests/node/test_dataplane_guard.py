@@ -18,9 +18,9 @@ import pytest
 
 import node.compat  # noqa: F401  (before hivemind)
 from node.compat import import_hivemind
-from node.dataplane import DataPlane
-from node.dataplane_guard import ENVELOPE_MARGIN_BYTES, FRAME_SIZE_FACTOR, MicrobatchGuard
-from node.metrics import NodeMetrics
+from node.dataplane.transport import DataPlane
+from node.dataplane.guard import ENVELOPE_MARGIN_BYTES, FRAME_SIZE_FACTOR, MicrobatchGuard
+from node.ops.metrics import NodeMetrics
 from protocol import HopFailure, encode
 from tests.node.hostile_peer import (
     LOCAL,

@@ -14,15 +14,15 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.access import SwarmAccess, load_allowlist, load_swarm_key
-from node.coordinator import Coordinator, RunConfig
-from node.dht_adverts import FetchedAdvert, make_record_validators
+from node.net.access import SwarmAccess, load_allowlist, load_swarm_key
+from node.swarm.coordinator import Coordinator, RunConfig
+from node.swarm.adverts import FetchedAdvert, make_record_validators
 from node.errors import UserError
-from node.identity import load_or_create_identity
-from node.metrics import NodeMetrics
-from node.ratelimit import PeerRateLimiter, TokenBucket
-from node.rpc import HttpReply, RpcServer, call_http
-from node.swarm_view import SwarmView
+from node.net.identity import load_or_create_identity
+from node.ops.metrics import NodeMetrics
+from node.net.ratelimit import PeerRateLimiter, TokenBucket
+from node.net.rpc import HttpReply, RpcServer, call_http
+from node.swarm.view import SwarmView
 from protocol.messages import ScheduleEpoch, StageAdvert, encode
 
 KEY = b"k" * 32
@@ -173,8 +173,8 @@ def test_validator_enforces_swarm_key_and_allowlist(identities):
 
 
 def test_is_peer_allowed_combines_allowlist_and_accepted_adverts(identities):
-    from node.config import DaemonConfig
-    from node.daemon import Daemon
+    from node.swarm.config import DaemonConfig
+    from node.swarm.daemon import Daemon
 
     a, b, c = (i.peer_id.to_base58() for i in identities)
     daemon = Daemon(DaemonConfig())

@@ -1,6 +1,6 @@
 """A hostile peer sends garbage to every node's data plane for 30 s while a small swarm trains.
 
-In-process harness (:class:`node.commands.up.LocalSwarm`: real hivemind P2P and DHT per node, real
+In-process harness (:class:`node.cli.up.LocalSwarm`: real hivemind P2P and DHT per node, real
 torch): 3 stages, one node each, full-length paths. An extra hivemind peer, connected to every
 node but not a member, writes to each node's data-plane handler, round after round, random bytes,
 broken msgpack, a length header promising a terabyte, and activations that look valid but carry
@@ -25,11 +25,11 @@ import time
 
 import pytest
 
-from node.commands.up import LocalSwarm, build_schedule
-from node.data import DataConfig
-from node.model import model_config
-from node.stage_runtime import OptimConfig
-from node.trainer import TrainerConfig
+from node.cli.up import LocalSwarm, build_schedule
+from node.train.data import DataConfig
+from node.train.model import model_config
+from node.train.runtime import OptimConfig
+from node.train.trainer import TrainerConfig
 from protocol import encode
 from tests.node.hostile_peer import HostilePeer, activation, connect, frame, malformed_msgpack, random_bytes
 
@@ -53,7 +53,7 @@ SCHEDULE = build_schedule(3, data_nodes=1, replicas=[1, 1], path_length=3, micro
 
 @pytest.fixture(scope="module")
 def splits(_cache_dir):
-    from node.data import load_splits
+    from node.train.data import load_splits
 
     return load_splits(DataConfig())
 
@@ -101,7 +101,7 @@ async def _garbage(hostile: HostilePeer, nodes, hidden_shape, stop_at: float) ->
 
 
 async def test_training_goes_on_while_a_peer_sends_garbage_for_30_seconds(splits, caplog):
-    caplog.set_level(logging.WARNING, logger="node.dataplane")
+    caplog.set_level(logging.WARNING, logger="node.dataplane.transport")
     cfg = _config("hostile-garbage")
     async with LocalSwarm(SCHEDULE, cfg, splits) as swarm:
         nodes = swarm.nodes

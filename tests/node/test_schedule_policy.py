@@ -12,12 +12,12 @@ import time
 import pytest
 
 import node.compat  # noqa: F401
-from node.commands.node_cmd import add_node_run_arguments, config_from_args, emulated_location_cost
-from node.commands.train_args import add_training_arguments
-from node.coordinator import Coordinator, RunConfig
-from node.dht_adverts import FetchedAdvert
-from node.identity import load_or_create_identity
-from node.swarm_view import SwarmView
+from node.cli.node_cmd import add_node_run_arguments, config_from_args, emulated_location_cost
+from node.cli.train_args import add_training_arguments
+from node.swarm.coordinator import Coordinator, RunConfig
+from node.swarm.adverts import FetchedAdvert
+from node.net.identity import load_or_create_identity
+from node.swarm.view import SwarmView
 from protocol.messages import StageAdvert
 from scheduler.cost import LinkProfile
 from scheduler.schedule import Schedule

@@ -21,8 +21,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.local_swarm import LocalNode, LocalSwarm
-from node.rpc import RpcCallError
+from node.testing.process_swarm import LocalNode, LocalSwarm
+from node.net.rpc import RpcCallError
 from tests.node.helpers import DEADLINE_S, error_lines, poll, rpc, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -47,7 +47,7 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, keys):
-    from node.identity import load_or_create_identity
+    from node.net.identity import load_or_create_identity
 
     base = tmp_path_factory.mktemp("private")
     allowlist = base / "members.txt"
@@ -218,7 +218,7 @@ async def _hostile_clients(target) -> dict:
     import node.compat  # noqa: F401
     from hivemind.p2p import P2P, PeerID
 
-    from node.rpc import RPC_PROTOCOL, RpcCallError, call_p2p
+    from node.net.rpc import RPC_PROTOCOL, RpcCallError, call_p2p
 
     peer = PeerID.from_base58(target.peer_id)
     flooder = await P2P.create(initial_peers=[target.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])

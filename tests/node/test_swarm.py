@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from node.local_swarm import LocalSwarm, process_group_members
+from node.testing.process_swarm import LocalSwarm, process_group_members
 from tests.node.helpers import DEADLINE_S, error_lines, poll, rpc, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -118,8 +118,8 @@ def test_forged_adverts_are_rejected(swarm):
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from node.dht_adverts import stage_key
-    from node.identity import load_or_create_identity
+    from node.swarm.adverts import stage_key
+    from node.net.identity import load_or_create_identity
     from protocol.messages import StageAdvert, encode
 
     victim = swarm.nodes[2]

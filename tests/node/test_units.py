@@ -12,12 +12,12 @@ import node.compat  # noqa: F401
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer
 
-from node.coordinator import Coordinator, RunConfig, assign_stages, epoch_membership
-from node.dht_adverts import FetchedAdvert, SkipPipeRecordValidator, make_record_validators
+from node.swarm.coordinator import Coordinator, RunConfig, assign_stages, epoch_membership
+from node.swarm.adverts import FetchedAdvert, SkipPipeRecordValidator, make_record_validators
 from node.errors import UserError
-from node.identity import IdentityLock, load_or_create_identity, peer_id_from_rsa_public_key
-from node.rpc import RpcServer, call_http
-from node.swarm_view import SwarmView
+from node.net.identity import IdentityLock, load_or_create_identity, peer_id_from_rsa_public_key
+from node.net.rpc import RpcServer, call_http
+from node.swarm.view import SwarmView
 from protocol.messages import MembershipEvent, StageAdvert, encode
 
 

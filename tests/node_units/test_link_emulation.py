@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from node.link_emulation import ComputePadder, LinkEmulator, LinkSpec
+from node.dataplane.emulation import ComputePadder, LinkEmulator, LinkSpec
 
 
 class FakeClock:

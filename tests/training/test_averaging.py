@@ -13,13 +13,13 @@ import logging
 import pytest
 import torch
 
-from node.averaging import AveragingConfig, StageAverager, groupmates_went_on
-from node.commands.up import LocalSwarm, build_schedule
+from node.train.averaging import AveragingConfig, StageAverager, groupmates_went_on
+from node.cli.up import LocalSwarm, build_schedule
 from node.compat import import_hivemind
-from node.model import model_config
-from node.stage_runtime import OptimConfig
-from node.trainer import TrainerConfig
-from node.data import DataConfig
+from node.train.model import model_config
+from node.train.runtime import OptimConfig
+from node.train.trainer import TrainerConfig
+from node.train.data import DataConfig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -96,7 +96,7 @@ async def test_windows_meet_a_late_groupmate_and_an_abandoned_round_keeps_the_lo
 
         before = len(checks)
         mine = [torch.full((3,), 7.0)]
-        with caplog.at_level(logging.WARNING, logger="node.averaging"):
+        with caplog.at_level(logging.WARNING, logger="node.train.averaging"):
             assert await a.average(mine, weight=1.0, abandon_when=gone_on) is False
         assert len(checks) == before + 2 and "abandoned" in caplog.text
         assert torch.equal(mine[0], torch.full((3,), 7.0)) and a.last_group == ()

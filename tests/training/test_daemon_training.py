@@ -1,6 +1,6 @@
 """Training inside real daemons: ``skippipe node run --train`` processes and ``skippipe up`` on them.
 
-Each daemon is a separate ``python -m node node run`` process (``node.local_swarm``); these tests
+Each daemon is a separate ``python -m node node run`` process (``node.testing.process_swarm``); these tests
 check numbers (parameters equal to the single-process reference, loss falls) and that no process
 of the swarm (daemon, p2pd, DHT, averager) outlives it.
 """
@@ -14,16 +14,16 @@ import time
 import pytest
 import torch
 
-from node.checkpoint import CheckpointStore
-from node.commands.swarm_cmd import fetch_status, format_status
-from node.data import DataConfig
-from node.local_swarm import LocalSwarm
-from node.model import model_config
-from node.reference import ReferenceTrainer
-from node.rpc import call_http
-from node.stage_runtime import OptimConfig, StageRuntime
-from node.model import build_stage
-from node.trainer import summary_differences, training_summary, TrainerConfig
+from node.train.checkpoint import CheckpointStore
+from node.cli.swarm_cmd import fetch_status, format_status
+from node.train.data import DataConfig
+from node.testing.process_swarm import LocalSwarm
+from node.train.model import model_config
+from node.train.reference import ReferenceTrainer
+from node.net.rpc import call_http
+from node.train.runtime import OptimConfig, StageRuntime
+from node.train.model import build_stage
+from node.train.trainer import summary_differences, training_summary, TrainerConfig
 
 pytestmark = pytest.mark.timeout(420)
 

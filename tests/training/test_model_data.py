@@ -5,12 +5,12 @@ import os
 import pytest
 import torch
 
-from node.checkpoint import CheckpointStore
-from node.commands.up import build_schedule
-from node.data import DataConfig, DataShard, validation_batches
+from node.train.checkpoint import CheckpointStore
+from node.cli.up import build_schedule
+from node.train.data import DataConfig, DataShard, validation_batches
 from node.errors import UserError
-from node.model import MODEL_SIZES, DecoderLayer, apply_rotary, build_stage, model_config, rotary_tables
-from node.trainer import SchedulePlan
+from node.train.model import MODEL_SIZES, DecoderLayer, apply_rotary, build_stage, model_config, rotary_tables
+from node.train.trainer import SchedulePlan
 
 
 def _stages(cfg, seed=0):
@@ -167,8 +167,8 @@ def test_forward_time_probe_runs_on_the_stages_device(stage_index):
     it failed against a CUDA stage."""
     import types
 
-    from node.stage_runtime import OptimConfig, StageRuntime
-    from node.trainer import TrainerConfig, TrainerNode
+    from node.train.runtime import OptimConfig, StageRuntime
+    from node.train.trainer import TrainerConfig, TrainerNode
 
     cfg = TrainerConfig(device="meta")
     runtime = StageRuntime(build_stage(cfg.model, stage_index, seed=0), OptimConfig(), "meta")

@@ -1,6 +1,6 @@
 """Swarm training on real hivemind P2P/DHT instances on 127.0.0.1 against the single-process reference.
 
-Each test builds an in-process :class:`node.commands.up.LocalSwarm` (one p2pd + DHT per node, a
+Each test builds an in-process :class:`node.cli.up.LocalSwarm` (one p2pd + DHT per node, a
 bootstrap peer, real libp2p streams, real DecentralizedAverager) with a hand-built schedule.
 """
 
@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from node.commands.up import LocalSwarm, build_schedule
-from node.data import DataConfig, validation_batches
-from node.model import model_config
-from node.reference import ReferenceTrainer, evaluate_loss
-from node.stage_runtime import OptimConfig
-from node.trainer import TrainerConfig
+from node.cli.up import LocalSwarm, build_schedule
+from node.train.data import DataConfig, validation_batches
+from node.train.model import model_config
+from node.train.reference import ReferenceTrainer, evaluate_loss
+from node.train.runtime import OptimConfig
+from node.train.trainer import TrainerConfig
 
 pytestmark = pytest.mark.timeout(400)  # generous: the CI box may be shared
 

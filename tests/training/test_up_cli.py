@@ -5,7 +5,7 @@ import json
 import pytest
 
 from node.cli import main
-from node.commands.up import UpOptions, run_up
+from node.cli.up import UpOptions, run_up
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -54,10 +54,10 @@ def test_a_fresh_up_run_measures_its_start_from_the_initial_weights_not_an_earli
     run left there (found by running the README command twice: 2.5515 -> 2.5574 was printed)."""
     import torch
 
-    from node.checkpoint import CheckpointStore
-    from node.commands.up import RUN_ID, _stage_modules_from_checkpoints
-    from node.model import build_stage, model_config
-    from node.stage_runtime import OptimConfig, StageRuntime
+    from node.train.checkpoint import CheckpointStore
+    from node.cli.up import RUN_ID, _stage_modules_from_checkpoints
+    from node.train.model import build_stage, model_config
+    from node.train.runtime import OptimConfig, StageRuntime
 
     mcfg = model_config("tiny")
     names = {k: f"node{k}" for k in range(mcfg.n_stages)}

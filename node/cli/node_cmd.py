@@ -1,0 +1,197 @@
+"""``skippipe node run``: start this machine's daemon (a new swarm, or join one)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from node.swarm.config import DEFAULT_HEARTBEAT_S, DEFAULT_HOST_MADDRS, DEFAULT_MEMORY_SLOTS, DEFAULT_RUN_ID, DaemonConfig, default_identity_path
+from node.errors import UserError
+
+__all__ = ["register", "add_node_run_arguments", "config_from_args", "emulated_location_cost", "SCHEDULE_POLICIES"]
+
+#: Values of --schedule-policy (RunConfig.schedule_policy).
+SCHEDULE_POLICIES = ("skippipe", "full", "random")
+#: hivemind logs at INFO by default; the daemon's own INFO lines are what an operator wants.
+HIVEMIND_LOG_LEVEL = "WARNING"
+
+
+def _stage_list(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stages wants comma-separated integers, got {text!r}") from None
+    if not stages or any(s < 0 for s in stages):
+        raise argparse.ArgumentTypeError(f"--stages wants non-negative integers, got {text!r}")
+    return stages
+
+
+def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``node run`` flags (shared with commands that start daemons, e.g. ``skippipe up``)."""
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                   help="multiaddrs (ending in /p2p/<id>) of swarm members to join through")
+    p.add_argument("--new-swarm", action="store_true", help="start a new swarm (the default without --initial-peers)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--stages", type=_stage_list, metavar="K[,K...]", help="stages this node holds, e.g. 0 or 2,3")
+    group.add_argument("--auto", action="store_true", help="join the stage with the fewest replicas (default)")
+    p.add_argument("--num-stages", type=int, help="stages of the run (new swarm only; default max(--stages)+1, at least 2)")
+    p.add_argument("--path-length", type=int, help="stages each microbatch visits, stage 0 included (new swarm; default all)")
+    p.add_argument("--microbatches", type=int, default=2, help="microbatches per data node per iteration (new swarm)")
+    p.add_argument("--schedule-policy", default="skippipe", metavar="POLICY",
+                   help="how epochs route microbatches (new swarm): skippipe (default), full (aligned full "
+                        "pipelines, no skipping) or random (network-blind skipping); baselines for benchmarks")
+    p.add_argument("--schedule-cost", default="measured", metavar="SOURCE",
+                   help="what the coordinator schedules for (new swarm): measured (link probes, default) or "
+                        "emulation (the --network-profile links and --compute-s-per-sample-per-layer this run "
+                        "emulates, by each member's --location; link probes are not emulated)")
+    p.add_argument("--schedule-budget", type=float, default=None, metavar="S",
+                   help="seconds the coordinator's path search may take per epoch (default 1)")
+    p.add_argument("--memory-slots", type=int, default=DEFAULT_MEMORY_SLOTS, help="in-flight microbatches this node accepts")
+    p.add_argument("--host-maddrs", nargs="+", default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
+                   help="where p2pd listens (default %(default)s)")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR", help="public addresses to advertise")
+    p.add_argument("--gossip-port", type=int, default=0, help="TCP port of the gossip host (default: ephemeral)")
+    p.add_argument("--identity", type=Path, default=None,
+                   help=f"RSA identity file, created on first use (default {default_identity_path()})")
+    p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="name of the training run (default %(default)s)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--location", default=None, help="free-form location label shown to peers")
+    p.add_argument("--rpc-port", type=int, default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
+    p.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S,
+                   help="seconds between advert re-announcements (default %(default)s)")
+    p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE",
+                   help="shared secret of a private swarm; peers without it cannot advertise, gossip or send data")
+    p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE",
+                   help="allowlist of peer ids (one per line, # comments); others are ignored")
+    p.add_argument("--rpc-rate", type=float, default=None, metavar="REQ_PER_S",
+                   help="per-peer RPC rate limit, libp2p and HTTP (default 20/s over libp2p, 50/s over HTTP)")
+    p.add_argument("--rpc-burst", type=float, default=None, metavar="N",
+                   help="per-peer RPC burst allowance (default 2 s worth of --rpc-rate)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # Hidden knobs for tests and the local-swarm launcher.
+    p.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-access-handshake", action="store_true", help=argparse.SUPPRESS)
+
+
+def emulated_location_cost(args: argparse.Namespace) -> dict | None:
+    """``RunConfig.location_cost`` for ``--schedule-cost emulation``: per location, the emulated
+    forward seconds per microbatch and, per ordered pair of locations, latency + activation bytes /
+    bandwidth + hop overhead, exactly as :mod:`node.dataplane.emulation` delays them (scaled profile, the
+    trainer's model and microbatch shape). None for ``measured``."""
+    source = getattr(args, "schedule_cost", "measured")
+    if source == "measured":
+        return None
+    if source != "emulation":
+        raise UserError(f"--schedule-cost must be measured or emulation, got {source!r}")
+    from node.cli.emulation_args import emulation_from_args
+
+    settings = emulation_from_args(args, require_location=False)
+    if settings is None or settings.network_profile is None or settings.compute_s_per_sample_per_layer is None:
+        raise UserError("--schedule-cost emulation needs --network-profile and --compute-s-per-sample-per-layer")
+    from node.train.model import model_config
+    from scheduler.cost import GIB, ModelShape, activation_bytes, transfer_time_s
+
+    profile = settings.load_profile()
+    model = getattr(args, "model", "tiny")
+    mcfg = model_config(model)
+    seq_len = getattr(args, "seq_len", None) or (min(mcfg.context, 64) if model == "tiny" else mcfg.context)
+    shape = ModelShape(layers_per_stage=mcfg.layers_per_stage, d_model=mcfg.d_model, seq_len=seq_len,
+                       samples_per_microbatch=getattr(args, "microbatch_size", 8), bytes_per_element=4)
+    nbytes = activation_bytes(shape)
+    locs = list(profile.locations)
+
+    def link_s(a: str, b: str) -> float:
+        lk = profile.link(a, b)
+        return transfer_time_s(lk.latency_ms * settings.latency_scale, lk.bandwidth_GiBps * GIB * settings.bandwidth_scale,
+                               nbytes, settings.hop_overhead_s)
+
+    forward = settings.compute_s_per_sample_per_layer * shape.layers_per_stage * shape.samples_per_microbatch
+    return {"locations": locs, "compute_s": [forward] * len(locs), "link_s": [[link_s(a, b) for b in locs] for a in locs]}
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    if args.heartbeat <= 0:
+        raise UserError("--heartbeat must be positive")
+    if args.rpc_rate is not None and args.rpc_rate <= 0:
+        raise UserError("--rpc-rate must be positive")
+    if args.rpc_burst is not None and args.rpc_burst < 1:
+        raise UserError("--rpc-burst must be at least 1")
+    limits = {}
+    if args.rpc_rate is not None:
+        burst = args.rpc_burst if args.rpc_burst is not None else max(1.0, 2 * args.rpc_rate)
+        limits = dict(rpc_rate_per_s=args.rpc_rate, rpc_burst=burst, http_rate_per_s=args.rpc_rate, http_burst=burst)
+    elif args.rpc_burst is not None:
+        limits = dict(rpc_burst=args.rpc_burst, http_burst=args.rpc_burst)
+    policy = getattr(args, "schedule_policy", "skippipe")
+    if policy not in SCHEDULE_POLICIES:
+        raise UserError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {policy!r}")
+    budget = getattr(args, "schedule_budget", None)
+    if budget is not None and budget <= 0:
+        raise UserError("--schedule-budget must be positive")
+    location_cost = emulated_location_cost(args)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda requested but no CUDA device is available")
+    return DaemonConfig(
+        run_id=args.run_id,
+        initial_peers=tuple(args.initial_peers),
+        new_swarm=args.new_swarm,
+        stages=None if args.auto or args.stages is None else tuple(args.stages),
+        num_stages=args.num_stages,
+        path_length=args.path_length,
+        microbatches_per_data_node=args.microbatches,
+        schedule_policy=policy,
+        location_cost=location_cost,
+        **({"schedule_budget_s": budget} if budget is not None else {}),
+        memory_slots=args.memory_slots,
+        host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs),
+        gossip_port=args.gossip_port,
+        identity_path=(args.identity or default_identity_path()).expanduser(),
+        device=args.device,
+        location=args.location,
+        rpc_port=None if args.rpc_port is not None and args.rpc_port < 0 else args.rpc_port,
+        protocol_version=args.protocol_version,
+        ready_file=args.ready_file,
+        heartbeat_s=args.heartbeat,
+        swarm_key_path=args.swarm_key.expanduser() if args.swarm_key else None,
+        allow_peers_path=args.allow_peers.expanduser() if args.allow_peers else None,
+        access_handshake=not args.no_access_handshake,
+        **limits,
+    )
+
+
+def setup_logging(level: str) -> None:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", HIVEMIND_LOG_LEVEL)
+    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("libp2p", "multiaddr", "hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level)))
+
+
+def _run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    config = config_from_args(args)
+    from node.cli.train_args import training_services_from_args
+
+    services = training_services_from_args(args)
+    from node.swarm.daemon import run_daemon  # heavy imports only when actually running
+
+    return run_daemon(config, services)
+
+
+def register(subparsers) -> None:
+    node = subparsers.add_parser("node", help="run this machine's swarm daemon")
+    sub = node.add_subparsers(dest="node_command", metavar="ACTION")
+    run = sub.add_parser("run", help="start the daemon: a new swarm, or join one with --initial-peers",
+                         description="Start the node daemon. Without --initial-peers it starts a new swarm and "
+                                     "prints the address others join with.")
+    add_node_run_arguments(run)
+    from node.cli.train_args import add_training_arguments
+
+    add_training_arguments(run)
+    run.set_defaults(func=_run)

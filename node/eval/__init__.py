@@ -1,0 +1,1 @@
+"""Evaluation: inference with stages omitted and single-process path training."""

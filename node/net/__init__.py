@@ -1,0 +1,1 @@
+"""Networking of one node: the p2pd session, identities, swarm access, rate limits and the RPC server."""

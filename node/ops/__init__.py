@@ -1,0 +1,1 @@
+"""Operating a node: metrics, the dashboard, charts and process memory tuning."""

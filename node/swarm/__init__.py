@@ -1,0 +1,1 @@
+"""Swarm membership: the daemon, its adverts, view, gossip and the schedule coordinator."""

@@ -1,0 +1,342 @@
+"""Agreeing on one schedule per epoch without a leader election.
+
+Rule (see ``docs/daemon.md``): the *coordinator candidates* are the ONLINE data nodes (holders of
+stage 0) sorted by peer id. Candidate 0 computes the schedule for the current ONLINE membership
+with :func:`scheduler.paths.schedule_paths`, signs it with its RSA identity and publishes it as a
+:class:`ScheduleEpoch` on gossip and in the DHT. Candidate ``r`` only steps in when membership has
+been out of date for ``debounce + r x coordinator_timeout`` (the earlier candidates are dead or
+stuck; a dead one also leaves the candidate list when its advert expires).
+
+Every node validates an epoch before adopting it: right run, signed by the key behind a known
+ONLINE data node's advert, every member known, and ``validate_schedule`` passes. Among valid
+epochs the winner is the highest epoch number, ties broken by the lowest coordinator id, so all
+nodes converge on the same one even if two coordinators raced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Awaitable, Callable
+
+from node.net.identity import NodeIdentity, verify_rsa_signature
+from node.swarm.view import PeerEntry, SwarmView
+from protocol.messages import ScheduleEpoch
+from scheduler.baselines import full_pipeline, random_skip
+from scheduler.cost import CostMatrix, ModelShape, cost_from_measurements
+from scheduler.errors import ScheduleError
+from scheduler.paths import schedule_paths
+from scheduler.schedule import Schedule
+from scheduler.validate import validate_schedule
+
+__all__ = ["RunConfig", "Coordinator", "assign_stages", "epoch_membership"]
+
+logger = logging.getLogger(__name__)
+
+#: Link assumptions for pairs nobody has measured yet (the scheduler's same-location default).
+DEFAULT_LATENCY_MS = 1.0
+DEFAULT_BANDWIDTH_Bps = 2.0 * 2**30
+#: Seconds of training between announcing an epoch that adds a node and its first iteration: the
+#: joiner's adoption (a gossip hop), its stage build and its state download (seconds on a LAN, tens
+#: on a loaded box or a slow link) fit in it, so the swarm rarely waits for the joiner.
+DEFAULT_JOIN_LEAD_S = 30.0
+#: How many unadopted epochs a node keeps to re-check once its view catches up.
+MAX_PENDING_EPOCHS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What every node of a run must agree on; the founding node's values travel in ``hello``."""
+
+    num_stages: int
+    path_length: int
+    microbatches_per_data_node: int
+    #: How epochs route microbatches: "skippipe" (scheduler.paths), "full" (aligned full pipelines,
+    #: scheduler.baselines.full_pipeline) or "random" (network-blind skipping, baselines.random_skip).
+    schedule_policy: str = "skippipe"
+    #: Cost by location for emulated runs (their link probes measure loopback, not the emulated
+    #: links): {"locations": [...], "compute_s": [...], "link_s": [[...]]}; None = measurements.
+    location_cost: dict | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RunConfig":
+        policy = str(data.get("schedule_policy") or "skippipe")
+        location_cost = data.get("location_cost")
+        return cls(int(data["num_stages"]), int(data["path_length"]), int(data["microbatches_per_data_node"]),
+                   policy, dict(location_cost) if isinstance(location_cost, dict) else None)
+
+    def expected_microbatches(self) -> int | None:
+        """Microbatches each data node must dispatch (None: the policy decides, as "full" does)."""
+        return None if self.schedule_policy == "full" else self.microbatches_per_data_node
+
+    def cost_by_location(self, locations: list) -> CostMatrix | None:
+        """The cost matrix of nodes at ``locations`` from ``location_cost``; None without one or
+        when a location is not in it (the coordinator then uses the measurements)."""
+        table = self.location_cost
+        if not table:
+            return None
+        try:
+            where = {loc: i for i, loc in enumerate(table["locations"])}
+            idx = [where[loc] for loc in locations]
+            link = [[0.0 if u == v else float(table["link_s"][a][b]) for v, b in enumerate(idx)]
+                    for u, a in enumerate(idx)]
+            return CostMatrix(tuple(float(table["compute_s"][a]) for a in idx), tuple(map(tuple, link)))
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+
+
+def assign_stages(peers: list[PeerEntry], num_stages: int) -> dict[str, int]:
+    """One stage per peer, deterministically: single-stage peers first, then each multi-stage
+    peer (by id) takes the held stage with the fewest peers so far (ties: lowest stage)."""
+    counts = [0] * num_stages
+    out: dict[str, int] = {}
+    multi = []
+    for e in sorted(peers, key=lambda e: e.peer_id):
+        held = sorted(s for s in set(e.advert.stages) if 0 <= s < num_stages)
+        if len(held) == 1:
+            out[e.peer_id] = held[0]
+            counts[held[0]] += 1
+        elif held:
+            multi.append((e.peer_id, held))
+    for peer_id, held in multi:
+        stage = min(held, key=lambda s: (counts[s], s))
+        out[peer_id] = stage
+        counts[stage] += 1
+    return out
+
+
+def epoch_membership(epoch: ScheduleEpoch) -> frozenset:
+    """(peer id, stage) pairs an epoch was computed for."""
+    pairs = set()
+    for stage, nodes in enumerate(epoch.schedule.get("stages", [])):
+        for v in nodes:
+            if 0 <= v < len(epoch.members):
+                pairs.add((epoch.members[v], stage))
+    return frozenset(pairs)
+
+
+def _better(a: ScheduleEpoch, b: ScheduleEpoch | None) -> bool:
+    """Is ``a`` preferred over ``b``: higher epoch, then lower coordinator id."""
+    if b is None:
+        return True
+    return (a.epoch, _neg(a.coordinator)) > (b.epoch, _neg(b.coordinator))
+
+
+def _neg(peer_id: str) -> tuple:
+    return tuple(-ord(c) for c in peer_id)
+
+
+class Coordinator:
+    """Issues epochs when this node is the responsible candidate; validates and adopts epochs."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        identity: NodeIdentity,
+        view: SwarmView,
+        run: RunConfig,
+        memory: int,
+        debounce_s: float,
+        takeover_s: float,
+        budget_s: float,
+        publish: Callable[[ScheduleEpoch], Awaitable[None]],
+        on_adopt: Callable[[ScheduleEpoch], None],
+        progress: Callable[[float], int | None] | None = None,
+        join_lead_s: float = DEFAULT_JOIN_LEAD_S,
+    ):
+        self.run_id = run_id
+        self.identity = identity
+        self.self_id = identity.peer_id.to_base58()
+        self.view = view
+        self.run = run
+        self.memory = memory
+        self.debounce_s = debounce_s
+        self.takeover_s = takeover_s
+        self.budget_s = budget_s
+        self._publish = publish
+        self._on_adopt = on_adopt
+        #: first iteration a new epoch may start at (the local trainer's view), None if not training
+        self._progress = progress
+        self.join_lead_s = join_lead_s
+        self.current: ScheduleEpoch | None = None
+        self.status = "waiting for members"
+        self._pending: dict[tuple[int, str], ScheduleEpoch] = {}
+        self._stale_since: float | None = None
+        self._stale_target: frozenset = frozenset()
+        self._computing = False
+        self.epochs_issued = 0
+
+    # ------------------------------------------------------------------ who coordinates
+    def candidates(self) -> list[str]:
+        return [e.peer_id for e in self.view.online() if 0 in e.advert.stages]
+
+    def target_membership(self) -> tuple[list[PeerEntry], dict[str, int]]:
+        online = self.view.online()
+        return online, assign_stages(online, self.run.num_stages)
+
+    # ------------------------------------------------------------------ periodic work
+    async def tick(self) -> None:
+        """Called every heartbeat (and on view changes): re-check pending epochs, maybe issue."""
+        for key in sorted(self._pending):
+            epoch = self._pending[key]
+            if self.consider(epoch, from_pending=True) != "pending":
+                self._pending.pop(key, None)
+        online, assignment = self.target_membership()
+        target = frozenset(assignment.items())
+        if self.current is not None and epoch_membership(self.current) == target:
+            self._stale_since = None
+            self.status = "up to date"
+            return
+        now = time.monotonic()
+        if self._stale_since is None or target != self._stale_target:
+            # Take-over delays count from the latest membership change, so a backup does not
+            # pre-empt a primary that has only just become ONLINE.
+            self._stale_since, self._stale_target = now, target
+        missing = [s for s in range(self.run.num_stages) if s not in assignment.values()]
+        if missing:
+            self.status = f"waiting: no ONLINE node holds stage(s) {missing}"
+            return
+        candidates = self.candidates()
+        if self.self_id not in candidates or self._computing:
+            self.status = "waiting for coordinator" if candidates else "waiting: no ONLINE data node"
+            return
+        rank = candidates.index(self.self_id)
+        stable_for = now - self.view.changed_at
+        waited = now - self._stale_since
+        if stable_for < self.debounce_s or waited < self.debounce_s + rank * self.takeover_s:
+            self.status = f"debouncing (coordinator rank {rank})"
+            return
+        await self.issue(online, assignment)
+
+    async def issue(self, online: list[PeerEntry], assignment: dict[str, int]) -> ScheduleEpoch | None:
+        """Compute, sign, adopt and publish a new epoch for ``online``."""
+        self._computing = True
+        try:
+            members = tuple(sorted(assignment, key=lambda p: (assignment[p], p)))
+            index = {p: i for i, p in enumerate(members)}
+            stages = [[index[p] for p in members if assignment[p] == s] for s in range(self.run.num_stages)]
+            entries = {e.peer_id: e for e in online}
+            compute = [entries[p].advert.compute_s_per_sample_per_layer for p in members]
+            latency, bandwidth = self._link_matrices(members)
+            number = (self.current.epoch + 1) if self.current is not None else 1
+            loop = asyncio.get_running_loop()
+
+            def _compute() -> dict:
+                cost = self.run.cost_by_location([entries[p].advert.location for p in members])
+                if cost is None:
+                    cost = cost_from_measurements(compute, latency, bandwidth, ModelShape())
+                path_length = min(self.run.path_length, self.run.num_stages)
+                mb, policy = self.run.microbatches_per_data_node, self.run.schedule_policy
+                if policy == "full":
+                    schedule = full_pipeline(stages, cost, mb, self.memory)
+                elif policy == "random":
+                    schedule = random_skip(stages, cost, path_length, mb, self.memory, seed=number)
+                else:
+                    schedule = schedule_paths(stages, cost, path_length, mb, self.memory, seed=number,
+                                              budget_s=self.budget_s)
+                validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())
+                return schedule.to_json()
+
+            try:
+                schedule_json = await loop.run_in_executor(None, _compute)
+            except ScheduleError as e:
+                self.status = f"cannot schedule: {e}"
+                logger.warning("cannot schedule epoch %d: %s", number, e)
+                return None
+            unsigned = ScheduleEpoch(
+                run_id=self.run_id,
+                epoch=number,
+                coordinator=self.self_id,
+                issued_at=time.time(),
+                members=members,
+                schedule=schedule_json,
+                signature=b"",
+                start_iteration=self.start_iteration(members),
+            )
+            epoch = dataclasses.replace(unsigned, signature=self.identity.sign(unsigned.signing_payload()))
+            self.epochs_issued += 1
+            logger.info("issuing schedule epoch %d for %d members", number, len(members))
+            self._adopt(epoch)
+            await self._publish(epoch)
+            return epoch
+        finally:
+            self._computing = False
+
+    def start_iteration(self, members: tuple[str, ...] = ()) -> int:
+        """Iteration boundary at which a new epoch takes effect on every member.
+
+        The local trainer knows the earliest boundary no member has crossed yet (members are at
+        most one iteration apart); never earlier than an epoch already announced but not started,
+        so a quick second membership change does not pull the switch forward. When ``members``
+        adds peers that are not in the current epoch, the boundary is at least ``join_lead_s``
+        of training ahead: a joiner must adopt the epoch and download its stage's state of the
+        iteration before it, and the swarm waits for its gradient norm at the boundary.
+        0 = not training yet.
+        """
+        joining = self.current is not None and bool(set(members) - set(self.current.members))
+        lead_s = self.join_lead_s if joining else 0.0
+        start = self._progress(lead_s) if self._progress is not None else None
+        if start is None:
+            return 0
+        pending = self.current.start_iteration if self.current is not None else 0
+        return max(int(start), int(pending))
+
+    def _link_matrices(self, members: tuple[str, ...]) -> tuple[list[list[float]], list[list[float]]]:
+        n = len(members)
+        latency = [[0.0] * n for _ in range(n)]
+        bandwidth = [[DEFAULT_BANDWIDTH_Bps] * n for _ in range(n)]
+        for u, a in enumerate(members):
+            for v, b in enumerate(members):
+                if u == v:
+                    continue
+                stat = self.view.link(a, b)
+                latency[u][v] = stat.rtt_ms / 2.0 if stat is not None else DEFAULT_LATENCY_MS
+                if stat is not None and stat.bandwidth_Bps:
+                    bandwidth[u][v] = float(stat.bandwidth_Bps)
+        return latency, bandwidth
+
+    # ------------------------------------------------------------------ receiving
+    def consider(self, epoch: ScheduleEpoch, from_pending: bool = False) -> str:
+        """Validate and maybe adopt ``epoch``; returns "adopted", "pending", "stale" or a reason."""
+        if epoch.run_id != self.run_id:
+            return "wrong run"
+        if not _better(epoch, self.current):
+            return "stale"
+        entry = self.view.get(epoch.coordinator)
+        if entry is None or entry.state != "ONLINE" or 0 not in entry.advert.stages:
+            return self._park(epoch, "coordinator is not a known ONLINE data node")
+        if not verify_rsa_signature(entry.public_key, epoch.signing_payload(), epoch.signature):
+            return "bad signature"
+        unknown = [m for m in epoch.members if self.view.get(m) is None or self.view.get(m).state == "OFFLINE"]
+        if unknown:
+            return self._park(epoch, f"unknown members {unknown[:3]}")
+        try:
+            schedule = Schedule.from_json(epoch.schedule)
+            validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())
+            if any(v >= len(epoch.members) for stage in schedule.stages for v in stage):
+                raise ScheduleError("members", "schedule names a node index without a member")
+        except (ScheduleError, KeyError, TypeError, ValueError) as e:
+            return f"invalid schedule: {e}"
+        self._adopt(epoch)
+        return "adopted"
+
+    def _park(self, epoch: ScheduleEpoch, reason: str) -> str:
+        self._pending[(epoch.epoch, epoch.coordinator)] = epoch
+        while len(self._pending) > MAX_PENDING_EPOCHS:
+            self._pending.pop(min(self._pending))
+        logger.debug("parking epoch %d from %s: %s", epoch.epoch, epoch.coordinator, reason)
+        return "pending"
+
+    def _adopt(self, epoch: ScheduleEpoch) -> None:
+        self.current = epoch
+        self._pending = {k: v for k, v in self._pending.items() if _better(v, epoch)}
+        self.status = "up to date"
+        self._stale_since = None
+        logger.info("adopted schedule epoch %d from %s", epoch.epoch, epoch.coordinator)
+        self._on_adopt(epoch)

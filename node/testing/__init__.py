@@ -1,0 +1,1 @@
+"""Harnesses for development, tests and benchmarks: local swarms, fault injection, link emulation."""

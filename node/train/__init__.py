@@ -1,0 +1,1 @@
+"""Training: the model and its stages, data, the stage runtime, averaging, checkpoints and the trainer."""

@@ -1,0 +1,201 @@
+"""Gradient averaging between the replicas of one stage, over hivemind's DecentralizedAverager.
+
+One averager per (run, stage, schedule epoch): the prefix names exactly that group, and the group
+size is the number of replicas the epoch gives the stage, so matchmaking never mixes stages or
+epochs and a full group starts all-reduce at once. Each replica passes the *mean* gradient of the
+microbatches that visited it with ``weight`` = how many did; hivemind computes
+``sum(w_i * g_i) / sum(w_i)``, i.e. the mean over every visiting microbatch of the stage (not the
+reference implementation's divide-by-replica-count). A replica that processed nothing joins with
+weight 0 so the others are not left waiting.
+
+Pitfalls handled here (see docs/training.md): the averager must be constructed and started on the
+main thread (``run_in_background`` calls ``signal.signal``) and it sets SIGINT to SIG_IGN in our
+process, so the previous handler is restored; its blocking calls run in an executor. A peer killed
+mid-all-reduce can leave the survivors with slightly different values: :meth:`average` reports
+such rounds as failed when hivemind notices, and :func:`node.train.runtime.StageRuntime.checksum`
+is compared across replicas every iteration, and a diverged replica copies the canonical one's
+state (:meth:`node.train.trainer.TrainerNode._resync`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from node.compat import import_hivemind
+
+__all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    #: how long a replica waits for its group before giving up on this round (seconds)
+    matchmaking_timeout_s: float = 60.0
+    #: hivemind's min_matchmaking_time: how long a leader gathers followers before starting; our
+    #: groups are always full (target = min = replica count), so all-reduce starts as soon as the
+    #: last replica arrives and this only needs to exceed request_timeout (hivemind's advice)
+    min_matchmaking_time_s: float = 5.0
+    request_timeout_s: float = 3.0
+    allreduce_timeout_s: float = 60.0
+    #: one hivemind step's time limit; a round is a series of such windows (see
+    #: StageAverager.average). After each window without a group the replica checks whether its
+    #: groupmates went on without it, so this bounds what a round nobody else joins costs. Two
+    #: matchmaking periods: long enough that a groupmate arriving a little later is still met
+    #: in the same window, short next to ``matchmaking_timeout_s``
+    round_window_s: float = 10.0
+
+
+#: Smallest weight a replica averages with (see StageAverager.average).
+MIN_WEIGHT = 1e-6
+
+
+def groupmates_went_on(me: str, groupmates: Sequence[str], records: Dict[str, dict], epoch: int,
+                       alive: Callable[[str], bool]) -> bool:
+    """True when no groupmate can still be in an averaging round with ``me``.
+
+    ``records`` are the iteration's published norm records (peer id -> record); a replica
+    publishes its record right after its round, with ``avg_group`` = the peers it averaged with
+    (empty when it skipped or failed the round). A groupmate can still be averaging with us if it
+    is alive and has no record yet, or if its record names us (our round completed on its side,
+    so our result is on the way). Records of another epoch belong to another averaging group.
+    A record without ``avg_group`` is not understood, so it never lets us give up."""
+    for peer in groupmates:
+        if peer == me or not alive(peer):
+            continue
+        record = records.get(peer)
+        if record is None:
+            return False  # still working or still averaging: maybe with us
+        if int(record.get("epoch", epoch)) != epoch:
+            continue  # another epoch's prefix: it cannot be in our group
+        group = record.get("avg_group")
+        if group is None or me in group:
+            return False
+    return True
+
+
+def averager_prefix(run_id: str, stage: int, epoch: int) -> str:
+    """DHT prefix of one averaging group; hivemind forbids '.' in it."""
+    safe_run = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)
+    return f"{safe_run}_stage{stage}_epoch{epoch}"
+
+
+class StageAverager:
+    """Weighted all-reduce of one stage's gradient tensors among that stage's replicas."""
+
+    def __init__(self, dht, like: Sequence[torch.Tensor], *, prefix: str, group_size: int,
+                 cfg: AveragingConfig = AveragingConfig()):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("DecentralizedAverager must be created on the main thread")
+        hivemind = import_hivemind()
+        self.prefix, self.group_size, self.cfg = prefix, group_size, cfg
+        self._avg = hivemind.DecentralizedAverager(
+            averaged_tensors=[torch.zeros_like(t, device="cpu") for t in like],
+            dht=dht,
+            start=False,
+            prefix=prefix,
+            target_group_size=group_size,
+            # a dead replica must not block the others: after min_matchmaking_time the live ones
+            # (at least two) average without it; a full group still starts at once
+            min_group_size=min(2, group_size),
+            min_matchmaking_time=cfg.min_matchmaking_time_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            allow_state_sharing=False,
+        )
+        self._started = False
+        self.last_group: tuple = ()
+
+    async def start(self) -> None:
+        """Fork the averager process without blocking the loop for long; keep our SIGINT handler."""
+        # a window without a group is routine here (see average), but hivemind logs each one as
+        # an error with a traceback from the averager process; our own warning says when a whole
+        # round failed. Set before the fork, so the averager process inherits it.
+        logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            self._avg.run_in_background(await_ready=False)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        await self._avg._ready  # MPFuture, awaitable
+        self._started = True
+        logger.debug("averager %s ready (group of %d)", self.prefix, self.group_size)
+
+    async def average(self, tensors: List[torch.Tensor], weight: float,
+                      abandon_when: Optional[Callable[[], Awaitable[bool]]] = None) -> bool:
+        """Replace ``tensors`` in place by the group's weighted mean; False if the round failed.
+
+        The round runs as hivemind steps of at most ``round_window_s`` each, until one finds the
+        group or ``matchmaking_timeout_s`` is spent. Between two windows ``abandon_when`` is
+        asked, and True ends the round as failed. Why: two replicas can disagree about whether
+        the other is alive (a late advert refresh on a loaded host). The one that thinks its
+        partner gone skips the round and goes on; without this the other would wait the whole
+        matchmaking timeout for a group that cannot form. (Cancelling a running hivemind step is
+        not an option: hivemind 1.1.12 retries a cancelled step until its deadline, and the next
+        round queues behind it.) After a successful round :attr:`last_group` holds the peer ids
+        the round averaged with, this one included."""
+        assert self._started, "call start() first"
+        self.last_group = ()
+        # hivemind divides by the sum of the group's weights: if no replica was visited this
+        # iteration all weights would be 0 and the mean 0/0 = NaN; a tiny floor gives the zero
+        # gradient of unvisited replicas instead and is negligible next to one visit
+        weight = max(float(weight), MIN_WEIGHT)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.matchmaking_timeout_s
+        while True:
+            # every window starts from our own values (a failed all-reduce may have written some parts)
+            with self._avg.get_tensors() as buffers:
+                for buf, t in zip(buffers, tensors):
+                    buf.copy_(t.detach().cpu())
+            window = max(0.0, min(self.cfg.round_window_s, deadline - loop.time()))
+            try:
+                # on the loop thread: the returned MPFuture binds to the loop that creates it (blocks ~ms)
+                result = await self._avg.step(weight=weight, wait=False, timeout=window)
+                error = None if result is not None else "found no group"
+            except Exception as e:  # hivemind raises assorted errors on failed rounds
+                result, error = None, repr(e)
+            if result is not None:
+                break
+            if loop.time() >= deadline:
+                logger.warning("averaging round of %s failed: %s", self.prefix, error)
+                return False
+            if abandon_when is not None and await self._ask(abandon_when):
+                logger.warning("averaging round of %s abandoned: the groupmates went on without this replica",
+                               self.prefix)
+                return False
+            logger.debug("averaging window of %s ended without a group (%s); trying again", self.prefix, error)
+        with self._avg.get_tensors() as buffers:
+            if not all(bool(torch.isfinite(buf).all()) for buf in buffers):
+                # never let a bad round poison the stage: keep our own gradient instead
+                logger.warning("averaging round of %s returned non-finite values; keeping the local gradient",
+                               self.prefix)
+                return False
+            for buf, t in zip(buffers, tensors):
+                t.copy_(buf.to(t.device))
+        self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
+        return True
+
+    async def _ask(self, abandon_when: Callable[[], Awaitable[bool]]) -> bool:
+        """``abandon_when()``, where a failed check (a DHT read timing out under load) means "not
+        yet": the round goes on to its next window instead of failing the iteration."""
+        try:
+            return bool(await abandon_when())
+        except Exception as e:  # noqa: BLE001 - any failure of the check is a "don't know"
+            logger.debug("give-up check of %s failed: %r; trying another window", self.prefix, e)
+            return False
+
+    def shutdown(self) -> None:
+        """Blocking (up to hivemind's 5 s grace, then kill): call it from an executor thread."""
+        if self._started and self._avg.is_alive():
+            self._avg.shutdown()
+            if self._avg.is_alive():  # forked child may ignore SIGTERM (inherited handlers)
+                self._avg.kill()
+                self._avg.join(5)
+        self._started = False

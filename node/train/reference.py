@@ -1,0 +1,90 @@
+"""Single-process training of the same model on the same batches as the swarm.
+
+This is the oracle the swarm is tested against: the same stage modules (same initial weights),
+the same microbatches along the same schedule paths, the same per-stage mean over visiting
+microbatches, the same global clipping and the same AdamW step, all in one process with no
+network. With one replica per stage and full in-order paths the swarm must reproduce its
+parameters to float32 rounding; it is also the single-process baseline of the benchmark.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from node.train.data import DataConfig, DataShard, TokenSplits
+from node.train.model import ModelConfig, StageModule, build_stage
+from node.train.runtime import OptimConfig, StageRuntime, clip_coefficient
+
+__all__ = ["ReferenceTrainer", "evaluate_loss"]
+
+logger = logging.getLogger(__name__)
+
+
+class ReferenceTrainer:
+    """All stages in one process; one :meth:`train_iteration` = one swarm iteration."""
+
+    def __init__(self, model: ModelConfig, optim: OptimConfig, data: DataConfig, splits: TokenSplits,
+                 schedule: dict, seed: int = 0, device: str = "cpu"):
+        # imported here, not at the top: node.train.trainer pulls in the networking stack (hivemind, libp2p),
+        # which evaluate_loss and the single-process benches must not need (a GPU box may lack it)
+        from node.train.trainer import SchedulePlan
+
+        self.plan = SchedulePlan(schedule)
+        self.optim = optim
+        self.stages = [StageRuntime(build_stage(model, s, seed), optim, device) for s in range(model.n_stages)]
+        n_data = len(self.plan.data_nodes)
+        self.shards = {d: DataShard(splits, data, i, n_data) for i, d in enumerate(self.plan.data_nodes)}
+        self.iteration = 0
+
+    def train_iteration(self) -> float:
+        """Run every microbatch of every data node, then one step; returns the mean loss."""
+        it = self.iteration
+        losses: List[float] = []
+        stage0 = self.stages[0]
+        for d in self.plan.data_nodes:
+            for j, route in enumerate(self.plan.routes_for(d)):
+                key = (d, it, j)
+                inputs, targets = self.shards[d].batch(it, j)
+                h = stage0.start(key, inputs)
+                visited = [self.stages[self.plan.stage_of[n]] for n in route[1:]]
+                for st in visited:
+                    h = st.forward(key, h)
+                loss, g = stage0.loss_backward(h, targets)
+                losses.append(loss)
+                for st in reversed(visited):
+                    g = st.backward(key, g)
+                stage0.finish(key, g)
+        for st in self.stages:
+            st.mean_grads()
+        coef = clip_coefficient(sum(st.grad_squared_norm() for st in self.stages), self.optim.clip_norm)
+        for st in self.stages:
+            st.scale_grads(coef)
+            st.step()
+        self.iteration += 1
+        return sum(losses) / max(len(losses), 1)
+
+    def modules(self) -> List[StageModule]:
+        return [st.module for st in self.stages]
+
+
+@torch.no_grad()
+def evaluate_loss(stages: Sequence[StageModule], batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                  order: Optional[Sequence[int]] = None) -> float:
+    """Mean validation loss with the stages applied in ``order`` (default: all, in order)."""
+    order = list(order) if order is not None else list(range(1, len(stages)))
+    was_training = [m.training for m in stages]
+    for m in stages:
+        m.eval()
+    total = 0.0
+    for inputs, targets in batches:
+        dev = next(stages[0].parameters()).device
+        h = stages[0].embed(inputs.to(dev))
+        for s in order:
+            h = stages[s](h)
+        total += float(stages[0].head_loss(h, targets.to(dev)))
+    for m, t in zip(stages, was_training):
+        m.train(t)
+    return total / len(batches)
