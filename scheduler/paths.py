@@ -211,6 +211,25 @@ class _Problem:
         self.sub = {
             (a, b): self.W[np.ix_(self.R[a], self.R[b])] for a in range(1, self.S) for b in range(1, self.S) if a != b
         }
+        # Replicas of a stage that no hop can tell apart (equal round-trip time to every node of
+        # the other stages; common with profile costs: nodes in one location) form a class. A
+        # layered step ``min_x c[x] + W[x, y]`` only needs each class's smallest ``c``, so the
+        # stage-order scoring runs on class x replica blocks instead of replica x replica ones,
+        # with bit-identical results (rounding is monotone).
+        self.cls_order: dict[int, np.ndarray] = {}
+        self.cls_start: dict[int, np.ndarray] = {}
+        self.sub_cls: dict[tuple[int, int], np.ndarray] = {}
+        for a in range(1, self.S):
+            others = np.asarray([v for t, nodes in enumerate(stages) if t != a for v in nodes], dtype=int)
+            _, inverse = np.unique(self.W[np.ix_(self.R[a], others)], axis=0, return_inverse=True)
+            inverse = np.asarray(inverse).reshape(-1)
+            order = np.argsort(inverse, kind="stable")
+            self.cls_order[a] = order
+            self.cls_start[a] = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
+            reps = self.R[a][order[self.cls_start[a]]]  # one replica per class
+            for b in range(1, self.S):
+                if b != a:
+                    self.sub_cls[(a, b)] = self.W[np.ix_(reps, self.R[b])]
 
     def has_swap(self, route: Sequence[int]) -> bool:
         highest = 0
@@ -259,7 +278,9 @@ def _order_costs(pb: _Problem, d: int, seqs: Sequence[tuple[int, ...]], nw: np.n
             if len(p) == 1:
                 c = pb.W[d, R[p[0]]] + nw[R[p[0]]]
             else:
-                c = (layer(p[:-1])[:, None] + pb.sub[(p[-2], p[-1])]).min(axis=0) + nw[R[p[-1]]]
+                a = p[-2]
+                prev = np.minimum.reduceat(layer(p[:-1])[pb.cls_order[a]], pb.cls_start[a])  # per class
+                c = (prev[:, None] + pb.sub_cls[(a, p[-1])]).min(axis=0) + nw[R[p[-1]]]
             memo[p] = c
         return c
 
@@ -622,13 +643,13 @@ def _random_balanced(
                 ok = False
                 break
             rng.shuffle(adm)
-            adm.sort(key=lambda q: sum(min(visits[v] for v in stages[s]) for s in q))
+            low = [min(visits[v] for v in nodes) for nodes in stages]  # least visits per stage
+            adm.sort(key=lambda q: sum(low[s] for s in q))
             route = None
             for seq in adm:
                 r = [d]
                 for s in seq:
-                    low = min(visits[v] for v in stages[s])
-                    r.append(rng.choice([v for v in stages[s] if visits[v] == low]))
+                    r.append(rng.choice([v for v in stages[s] if visits[v] == low[s]]))
                 if not hops.would_cycle(r):
                     route = tuple(r)
                     break
