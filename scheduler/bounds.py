@@ -22,7 +22,7 @@ of the simulator's rules:
 3. **Stage work** (per non-zero stage ``s``). Every valid schedule gives ``s`` at least
    ``q = floor((L - 1) x total / (S - 1))`` visits (stage balance, +-1). A visit costs replica
    ``v`` its forward + backward ``w_v``; all of ``v``'s tasks lie between ``h_v`` (the fastest
-   data-node forward plus the fastest hop into ``v``) and ``T - t_v`` (the fastest hop out of
+   forward of a data node with microbatches plus the fastest hop into ``v``) and ``T - t_v`` (the fastest hop out of
    ``v`` plus the fastest data-node backward). The best spread of ``q`` visits over the
    replicas ends no earlier than the ``q``-th smallest of ``h_v + t_v + j x w_v`` (``j >= 1``),
    which is therefore a bound.
@@ -200,7 +200,7 @@ def iteration_lower_bound(
                                f"before its first loss + {idle_tail:.2f} s after its last"))
     if S > 1 and k > 0 and total > 0:
         q = (k * total) // (S - 1)
-        min_F_data = min(float(F[d]) for d in st[0])
+        min_F_data = min(float(F[d]) for d in data)  # the data nodes that have microbatches
         min_B_data = min_F_data * br
         for s in range(1, S):
             if q == 0:
