@@ -10,8 +10,13 @@ of the simulator's rules:
 1. **Memory-slot round trips** (per data node ``d`` with ``c`` microbatches). A microbatch holds
    one of ``d``'s ``memory`` slots from its forward at ``d`` to its backward at ``d``: at least
    ``RT(d)``, the cheapest allowed round trip (forward and backward compute on the route, loss,
-   every hop crossed once each way). At most ``memory`` such intervals overlap, so some slot
-   holds ``ceil(c / memory)`` of them back to back: ``T >= ceil(c / memory) x RT(d)``.
+   every hop crossed once each way). At most ``memory`` such intervals overlap, so they form
+   ``w <= min(memory, c)`` chains of back-to-back intervals; one chain holds ``ceil(c / w)``
+   of them: ``T >= ceil(c / w) x RT(d)``. Moreover the chains start with forwards at ``d``,
+   which run one at a time (the ``i``-th start is ``>= i x forward``), and end with backwards
+   at ``d``, likewise (the ``i``-th last end is ``<= T - i x backward``); summing the chains,
+   ``w x T >= c x RT(d) + (forward + backward) x w (w - 1) / 2``. The bound is the smaller, over
+   ``w``, of the larger of the two.
 2. **Data-node work** (per data node). ``d`` computes ``c x (forward + loss + backward)``. Before
    its first loss it can only run forwards, at most ``k = min(memory, c)`` of them (no slot is
    freed before a backward), and the first loss cannot start before ``A(d)``, the cheapest
@@ -188,10 +193,12 @@ def iteration_lower_bound(
             kk = min(memory, c)
             own = F[d] * (1.0 + lr + br)
             rt_d = own + rt[i]
-            v1 = math.ceil(c / memory) * rt_d
+            v1 = min(  # over the number w of slot chains the schedule needs
+                max(math.ceil(c / w) * rt_d, c * rt_d / w + (F[d] + bwd[d]) * (w - 1) / 2) for w in range(1, kk + 1)
+            )
             candidates.append((v1, "round-trips", d,
-                               f"data node {d}: {math.ceil(c / memory)} x its best round trip {rt_d:.2f} s "
-                               f"({c} microbatches, memory {memory})"))
+                               f"data node {d}: {c} microbatches of at least {rt_d:.2f} s (its best round trip) "
+                               f"in {memory} memory slots"))
             idle_head = max(0.0, F[d] + a[i] - kk * F[d])
             idle_tail = max(0.0, bc[i] + bwd[d] - kk * bwd[d])
             v2 = c * own + idle_head + idle_tail

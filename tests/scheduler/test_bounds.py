@@ -100,6 +100,17 @@ def test_memory_slots_multiply_the_round_trip():
     assert b.value_s == pytest.approx(30.5) == simulate_routes({0: [(0, 1), (0, 1)]}, c, 1).iteration_time_s
 
 
+def test_tight_for_two_microbatches_through_one_replica():
+    # simulator test: two microbatches 0 -> 1 with memory 2 take 7.5 s. Node 1 can start at 1 (after
+    # a forward at 0), does 2 x (1 + 1.5) and its last gradient then needs 1.5 s at node 0.
+    c = uniform_cost(2)
+    b = iteration_lower_bound(((0,), (1,)), c, 2, {0: 2}, 2)
+    assert b.value_s == pytest.approx(7.5) == simulate_routes({0: [(0, 1), (0, 1)]}, c, 2).iteration_time_s
+    assert b.argument == "stage-work"
+    # the slot chains: 2 round trips of 5.25 s in 2 slots, started a forward apart, ended a backward apart
+    assert b.by_argument["round-trips"] == pytest.approx(5.25 + (1 + 1.5) / 2)
+
+
 def test_stage_work_binds_when_a_stage_is_the_bottleneck():
     # two data nodes, one slow replica in stage 1 that every microbatch must visit
     c = CostMatrix((1.0, 1.0, 10.0), ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)))
