@@ -266,9 +266,11 @@ def _best_route(pb: _Problem, d: int, seq: tuple[int, ...], nw: np.ndarray) -> t
 
 
 def _order_costs(pb: _Problem, d: int, seqs: Sequence[tuple[int, ...]], nw: np.ndarray) -> list[float]:
-    """The cost :func:`_best_route` gives each stage order in ``seqs`` (bit for bit: the same
-    operations in the same order), computed together: orders sharing a prefix share its
-    layers, and only minima are taken (the route is recovered for the chosen order alone)."""
+    """The cost :func:`_best_route` gives each stage order in ``seqs``, bit for bit, computed
+    together: orders sharing a prefix share its layers, a hop between two non-zero stages runs
+    from the replica classes of :class:`_Problem` (the class minimum plus the shared hop time is
+    the minimum over its replicas, rounding being monotone), and only minima are taken (the
+    route is recovered for the chosen order alone)."""
     R = pb.R
     memo: dict[tuple[int, ...], np.ndarray] = {}
 
@@ -371,7 +373,7 @@ def construct_routes(
                 and not (strict and any(left[s] - (w if s in seq else 0) > remaining for s in range(1, pb.S)))
             ]
             costs = _order_costs(pb, d, eligible, nw)
-            # cheapest first; equal costs (common: replicas in one location) in stage-order order
+            # cheapest first; equal costs (common: replicas in one location) in the orders' lexicographic order
             for c, i in sorted((c, i) for i, c in enumerate(costs) if math.isfinite(c)):
                 r = _best_route(pb, d, eligible[i], nw)[1]
                 if not hops.would_cycle(r):

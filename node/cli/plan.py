@@ -136,9 +136,9 @@ def run_plan(args: argparse.Namespace) -> int:
             "allocation_generations": alloc.generations, "allocation_generation_budget": alloc.generation_budget,
             "path_iterations": cmp.report.iterations, "path_iteration_budget": cmp.report.iteration_budget,
         },
-        # machine-dependent: everything else in the JSON is a function of the inputs and seed
-        # (unless the cap was hit, which "wall_cap" then says)
         "wall_cap": {"cap_s": args.budget_s, "hit": bool(hit_in), "hit_in": hit_in},
+        # the only machine-dependent part: everything else in the JSON is a function of the
+        # inputs and the seed (unless the cap was hit, which "wall_cap" then says)
         "wall": {
             "allocation_s": t_alloc, "paths_s": t_paths, "scheduler_s": t_alloc + t_paths,
             "variants_s": cmp.wall_json(),
