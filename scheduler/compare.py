@@ -62,11 +62,6 @@ class Comparison:
                 out[name]["gap_to_bound"] = self.gap(name)
         return out
 
-    def wall_json(self) -> dict:
-        """Wall seconds spent making each variant (SkipPipe's includes the collision-blind
-        construction it shares with "SkipPipe without TC2", which is reported at 0)."""
-        return {name: v.wall_s for name, v in self.variants.items()}
-
 
 def compare_variants(
     stages: Sequence[Sequence[int]],

@@ -51,15 +51,25 @@ def test_plan_json_to_stdout_with_bound_and_gap(capsys):
     assert res["work"]["path_iterations"] == res["work"]["path_iteration_budget"] == 1500
 
 
-def test_plan_is_deterministic_whatever_the_cap(capsys):
-    # the searches are bounded by work: the same inputs and seed give the same JSON (bar the wall
-    # times, kept apart under results.wall), whether the cap is the default or far larger
-    runs = [_plan_json(capsys), _plan_json(capsys), _plan_json(capsys, "--budget-s", "100000")]
-    for doc in runs:
-        del doc["results"]["wall"]
-        doc["results"]["wall_cap"].pop("cap_s")
-    assert json.dumps(runs[0]) == json.dumps(runs[1]) == json.dumps(runs[2])
-    assert _plan_json(capsys, "--seed", "1")["paths"] != runs[0]["paths"]  # the seed does matter
+def test_plan_is_deterministic_whatever_the_cap(tmp_path, capsys):
+    # the searches are bounded by work: the same inputs and seed give byte-identical JSON, and a
+    # far larger cap changes nothing but the cap it records
+    files = [tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"]
+    assert main(PLAN + ["--json", str(files[0])]) == 0
+    assert main(PLAN + ["--json", str(files[1])]) == 0
+    assert main(PLAN + ["--json", str(files[2]), "--budget-s", "100000"]) == 0
+    assert "scheduler wall time:" in capsys.readouterr().out  # wall times are printed, not in the JSON
+    assert files[0].read_bytes() == files[1].read_bytes()
+    generous = files[2].read_text().replace('"cap_s": 100000.0', '"cap_s": 300.0')
+    assert generous == files[0].read_text()
+    assert _plan_json(capsys, "--seed", "1")["paths"] != json.loads(files[0].read_text())["paths"]  # the seed matters
+
+
+def test_plan_json_to_stdout_keeps_the_wall_time_on_stderr(capsys):
+    assert main(PLAN + ["--json"]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)
+    assert err.startswith("scheduler wall time:")
 
 
 def test_plan_reports_a_wall_cap_that_was_hit(capsys):
