@@ -11,6 +11,8 @@ Modules, one job each:
 * :mod:`scheduler.routes` - skipping/reordering rules (:class:`RouteLimits`).
 * :mod:`scheduler.paths` - routes per microbatch for a fixed allocation (:func:`schedule_paths`).
 * :mod:`scheduler.simulator` - discrete-event simulation of one iteration (:func:`simulate`).
+* :mod:`scheduler.bounds` - a lower bound on any valid schedule's iteration time
+  (:func:`iteration_lower_bound`).
 * :mod:`scheduler.baselines` - full pipeline and random skip.
 * :mod:`scheduler.schedule` / :mod:`scheduler.validate` - the schedule type, its JSON, validity.
 * :mod:`scheduler.compare` - all variants of one setting side by side.
@@ -18,6 +20,7 @@ Modules, one job each:
 
 from scheduler.allocation import AllocationResult, allocate
 from scheduler.baselines import full_pipeline, random_skip
+from scheduler.bounds import LowerBound, iteration_lower_bound
 from scheduler.cost import CostMatrix, CostParams, LinkProfile, ModelShape, NodeSpec, build_cost, cost_from_measurements, nodes_round_robin
 from scheduler.errors import ScheduleError
 from scheduler.paths import PathReport, schedule_paths, schedule_paths_report
@@ -31,6 +34,7 @@ __all__ = [
     "CostMatrix",
     "CostParams",
     "LinkProfile",
+    "LowerBound",
     "ModelShape",
     "NodeSpec",
     "PathEntry",
@@ -44,6 +48,7 @@ __all__ = [
     "build_cost",
     "cost_from_measurements",
     "full_pipeline",
+    "iteration_lower_bound",
     "load_schedule",
     "nodes_round_robin",
     "random_skip",

@@ -30,18 +30,20 @@ from scipy.optimize import linear_sum_assignment
 from scheduler.cost import CostMatrix
 from scheduler.errors import ScheduleError
 
-__all__ = ["AllocationResult", "allocate", "allocation_cost"]
+__all__ = ["AllocationResult", "allocate", "allocation_cost", "generation_budget", "matching_cells"]
 
 
 @dataclass(frozen=True)
 class AllocationResult:
     """stages: node ids per stage (sorted). score: its allocation cost. generations: done.
-    budget_hit: ``budget_s`` stopped the search before ``generations``."""
+    budget_hit: the wall-clock cap ``budget_s`` stopped the search before ``generation_budget``
+    (the generations its work budget allowed)."""
 
     stages: tuple[tuple[int, ...], ...]
     score: float
     generations: int
     budget_hit: bool
+    generation_budget: int = 0
 
 
 class _Scorer:
@@ -78,6 +80,39 @@ class _Scorer:
         return self.pp_weight * pp + self.dp_weight * dp
 
 
+def matching_cells(stage_sizes: Sequence[int], skip_aware: bool = True) -> int:
+    """Cost-matrix cells the assignments of one allocation score take (the score's work: the
+    matchings run in about linear time in the cells at these sizes)."""
+    S = len(stage_sizes)
+    if skip_aware:
+        pairs = [(a, b) for a in range(S) for b in range(a + 1, S)]
+    else:
+        pairs = [(s, s + 1) for s in range(S - 1)] + ([(S - 1, 0)] if S > 2 else [])
+    cells = 0
+    for a, b in pairs:
+        big, small = max(stage_sizes[a], stage_sizes[b]), min(stage_sizes[a], stage_sizes[b])
+        cells += big * small * math.ceil(big / small)
+    return cells
+
+
+def generation_budget(
+    stage_sizes: Sequence[int],
+    generations: int = 120,
+    refine_trials: int = 12,
+    *,
+    cell_budget: int = 250_000_000,
+    min_generations: int = 10,
+    skip_aware: bool = True,
+) -> int:
+    """Generations of :func:`allocate` for these stage sizes: ``generations`` (where the
+    20-node search levels off), but at most ``cell_budget`` matching cells scored in all (each
+    generation scores ``1 + refine_trials`` allocations; 250M cells is about 8 s on one core,
+    reached from about 500 nodes on), but not fewer than ``min_generations`` for that. The work
+    budget that bounds the search, so that a seed gives the same allocation on any machine."""
+    per_generation = max(1, (1 + refine_trials) * matching_cells(stage_sizes, skip_aware))
+    return min(generations, max(min_generations, cell_budget // per_generation))
+
+
 def allocation_cost(
     stages: Sequence[Sequence[int]],
     cost: CostMatrix,
@@ -97,10 +132,12 @@ def allocate(
     cost: CostMatrix,
     stage_sizes: Sequence[int],
     seed: int = 0,
-    budget_s: float = 1.0,
+    budget_s: float = 60.0,
     *,
     population: int = 16,
     generations: int = 120,
+    cell_budget: int = 250_000_000,
+    min_generations: int = 10,
     crossover_points: int = 5,
     refine_trials: int = 12,
     pp_weight: float = 1.0,
@@ -110,11 +147,14 @@ def allocate(
     """Assign ``sum(stage_sizes)`` of the ``cost.n_nodes`` nodes to stages.
 
     population: individuals kept (random allocations at the start).
-    generations: children bred; each is two parents' crossover (``crossover_points`` node labels
-        of one parent copied into the other, then stage sizes repaired) plus ``refine_trials``
-        random node swaps between stages kept when they lower the score (local refinement).
+    generations: children bred at most; each is two parents' crossover (``crossover_points``
+        node labels of one parent copied into the other, then stage sizes repaired) plus
+        ``refine_trials`` random node swaps between stages kept when they lower the score
+        (local refinement). Large allocations get fewer (:func:`generation_budget` with
+        ``cell_budget`` and ``min_generations``): the search is bounded by work.
     pp_weight, dp_weight: the reference scores DP + 2 PP, i.e. dp_weight / pp_weight = 0.5.
-    budget_s: wall-clock cap; deterministic for a seed while ``generations`` finish within it.
+    budget_s: wall-clock safety cap. Not reached, the result depends only on the inputs and
+        ``seed``; reached, the search stops early and ``budget_hit`` says so.
     Extra nodes (more than the stages need) are left out, chosen by the search too.
     """
     sizes = [int(x) for x in stage_sizes]
@@ -131,7 +171,7 @@ def allocate(
     if S == 1:
         labels = template.copy()
         stages = (tuple(int(v) for v in np.flatnonzero(labels == 0)),)
-        return AllocationResult(stages, 0.0, 0, False)
+        return AllocationResult(stages, 0.0, 0, False, 0)
     want = np.bincount(template, minlength=S + 1)
 
     def refine(x: np.ndarray, fx: float) -> tuple[np.ndarray, float]:
@@ -151,8 +191,10 @@ def allocate(
     for _ in range(max(2, population)):
         x = rng.permutation(template)
         pop.append((score(x), x))
+    budget = generation_budget(sizes, generations, refine_trials, cell_budget=cell_budget,
+                               min_generations=min_generations, skip_aware=skip_aware)
     done, hit = 0, False
-    for done in range(1, generations + 1):
+    for done in range(1, budget + 1):
         if time.perf_counter() - t0 > budget_s:
             hit, done = True, done - 1
             break
@@ -176,4 +218,4 @@ def allocate(
             pop[worst] = (fc, child)
     best_f, best = min(pop, key=lambda p: p[0])
     stages = tuple(tuple(int(v) for v in np.flatnonzero(best == s)) for s in range(S))
-    return AllocationResult(stages, best_f, done, hit)
+    return AllocationResult(stages, best_f, done, hit, budget)

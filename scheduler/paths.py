@@ -21,11 +21,12 @@ search node and stops on heuristic thresholds):
    reorder a route, or swap two microbatches' dispatch order. Every move keeps all constraints,
    so the search can stop at any point with a valid schedule.
 
-Determinism: the result depends only on the inputs and ``seed`` as long as ``max_iterations``
-is reached before ``budget_s`` runs out. ``budget_s`` is a safety cap: when it cuts the search
-the result is still valid but may depend on machine speed. Callers that need agreement (a
-coordinator and its validators) should pass a ``max_iterations`` that fits the budget on the
-slowest machine; :func:`schedule_paths_report` says whether the cap was hit.
+Determinism: the search is bounded by work, not time: the construction is a fixed set of
+greedy passes and the local search takes :func:`iteration_budget` steps (derived from the
+problem size) unless ``max_iterations`` says otherwise, so the result depends only on the
+inputs and ``seed``. ``budget_s`` is a wall-clock safety cap on a stalled or overloaded machine:
+when it cuts the search the result is still valid but depends on machine speed, and
+:func:`schedule_paths_report` says so (``budget_hit``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ __all__ = [
     "PathReport",
     "schedule_paths",
     "schedule_paths_report",
+    "search_paths",
+    "PathSearch",
+    "iteration_budget",
     "construct_routes",
     "collision_blind_routes",
     "blind_makespan",
@@ -63,13 +67,15 @@ Routes = dict[int, list[tuple[int, ...]]]
 @dataclass(frozen=True)
 class PathReport:
     """How a path search went: simulated iteration time of the best construction and of the
-    result, local-search iterations done, and whether ``budget_s`` stopped it early."""
+    result, local-search iterations done, whether the wall-clock cap ``budget_s`` stopped it
+    before ``iteration_budget`` (its work budget), and its wall time."""
 
     initial_time_s: float
     final_time_s: float
     iterations: int
     budget_hit: bool
     wall_s: float
+    iteration_budget: int = 0
 
 
 def normalise_request(
@@ -205,6 +211,25 @@ class _Problem:
         self.sub = {
             (a, b): self.W[np.ix_(self.R[a], self.R[b])] for a in range(1, self.S) for b in range(1, self.S) if a != b
         }
+        # Replicas of a stage that no hop can tell apart (equal round-trip time to every node of
+        # the other stages; common with profile costs: nodes in one location) form a class. A
+        # layered step ``min_x c[x] + W[x, y]`` only needs each class's smallest ``c``, so the
+        # stage-order scoring runs on class x replica blocks instead of replica x replica ones,
+        # with bit-identical results (rounding is monotone).
+        self.cls_order: dict[int, np.ndarray] = {}
+        self.cls_start: dict[int, np.ndarray] = {}
+        self.sub_cls: dict[tuple[int, int], np.ndarray] = {}
+        for a in range(1, self.S):
+            others = np.asarray([v for t, nodes in enumerate(stages) if t != a for v in nodes], dtype=int)
+            _, inverse = np.unique(self.W[np.ix_(self.R[a], others)], axis=0, return_inverse=True)
+            inverse = np.asarray(inverse).reshape(-1)
+            order = np.argsort(inverse, kind="stable")
+            self.cls_order[a] = order
+            self.cls_start[a] = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
+            reps = self.R[a][order[self.cls_start[a]]]  # one replica per class
+            for b in range(1, self.S):
+                if b != a:
+                    self.sub_cls[(a, b)] = self.W[np.ix_(reps, self.R[b])]
 
     def has_swap(self, route: Sequence[int]) -> bool:
         highest = 0
@@ -238,6 +263,36 @@ def _best_route(pb: _Problem, d: int, seq: tuple[int, ...], nw: np.ndarray) -> t
         idx.append(int(arg[idx[-1]]))
     idx.reverse()
     return best, (d,) + tuple(int(R[s][k]) for s, k in zip(seq, idx))
+
+
+def _order_costs(pb: _Problem, d: int, seqs: Sequence[tuple[int, ...]], nw: np.ndarray) -> list[float]:
+    """The cost :func:`_best_route` gives each stage order in ``seqs``, bit for bit, computed
+    together: orders sharing a prefix share its layers, a hop between two non-zero stages runs
+    from the replica classes of :class:`_Problem` (the class minimum plus the shared hop time is
+    the minimum over its replicas, rounding being monotone), and only minima are taken (the
+    route is recovered for the chosen order alone)."""
+    R = pb.R
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def layer(p: tuple[int, ...]) -> np.ndarray:
+        c = memo.get(p)
+        if c is None:
+            if len(p) == 1:
+                c = pb.W[d, R[p[0]]] + nw[R[p[0]]]
+            else:
+                a = p[-2]
+                prev = np.minimum.reduceat(layer(p[:-1])[pb.cls_order[a]], pb.cls_start[a])  # per class
+                c = (prev[:, None] + pb.sub_cls[(a, p[-1])]).min(axis=0) + nw[R[p[-1]]]
+            memo[p] = c
+        return c
+
+    out = []
+    for seq in seqs:
+        if not seq:
+            out.append(0.0)
+            continue
+        out.append(float((layer(seq) + pb.W[R[seq[-1]], d]).min()))
+    return out
 
 
 class _HopGraph:
@@ -311,17 +366,16 @@ def construct_routes(
         nw = np.where(visits + w > cap, np.inf, nw)
         chosen = None
         for strict in (True, False):
-            options = []
-            for seq in pb.seqs:
-                if any(left[s] < w for s in seq):
-                    continue
-                if strict and any(left[s] - (w if s in seq else 0) > remaining for s in range(1, pb.S)):
-                    continue
-                c, r = _best_route(pb, d, seq, nw)
-                if math.isfinite(c):
-                    options.append((c, r))
-            options.sort()
-            for c, r in options:
+            eligible = [
+                seq
+                for seq in pb.seqs
+                if all(left[s] >= w for s in seq)
+                and not (strict and any(left[s] - (w if s in seq else 0) > remaining for s in range(1, pb.S)))
+            ]
+            costs = _order_costs(pb, d, eligible, nw)
+            # cheapest first; equal costs (common: replicas in one location) in the orders' lexicographic order
+            for c, i in sorted((c, i) for i, c in enumerate(costs) if math.isfinite(c)):
+                r = _best_route(pb, d, eligible[i], nw)[1]
                 if not hops.would_cycle(r):
                     chosen = r
                     break
@@ -412,37 +466,63 @@ def _critical(routes: Routes, cost: CostMatrix, memory: int) -> int:
     return max(res.finish_s, key=lambda d: (res.finish_s[d], -d))
 
 
-def schedule_paths_report(
+def iteration_budget(
+    total_microbatches: int,
+    path_length: int,
+    *,
+    iterations_per_microbatch: int = 40,
+    base_iterations: int = 300,
+    simulated_task_budget: int = 1_500_000,
+    min_iterations: int = 100,
+) -> int:
+    """Local-search steps for a problem of this size: the work budget that bounds the search
+    (the wall-clock ``budget_s`` is only a safety cap), so a seed gives the same schedule on any
+    machine.
+
+    ``base_iterations + iterations_per_microbatch x microbatches`` (1500 for the 20-node
+    setting, where the search levels off), but at most ``simulated_task_budget`` simulated tasks
+    in all: each step simulates the whole iteration, ``microbatches x (2 x path_length + 1)``
+    tasks, at about 2 us a task on one core (3 s of simulation in all), so that 200 nodes plan
+    in well under 10 s and 1,000 nodes in under 60 s; but not fewer than ``min_iterations``
+    for that.
+    """
+    tasks = max(1, total_microbatches * (2 * path_length + 1))
+    want = base_iterations + iterations_per_microbatch * total_microbatches
+    return min(want, max(min_iterations, simulated_task_budget // tasks))
+
+
+@dataclass(frozen=True)
+class PathSearch:
+    """Everything one path search produced: the SkipPipe schedule and its report, and the
+    collision-blind schedule ("SkipPipe without TC2") it started from, which comes free."""
+
+    schedule: Schedule
+    report: PathReport
+    blind: Schedule
+
+
+def search_paths(
     stages: Sequence[Sequence[int]],
     cost: CostMatrix,
     path_length: int,
     microbatches_per_data_node: int | Mapping[int, int] | Sequence[int],
     memory: int,
     seed: int = 0,
-    budget_s: float = 2.0,
+    budget_s: float = 60.0,
     *,
     limits: RouteLimits = RouteLimits(),
     collision_aware: bool = True,
     max_iterations: int | None = None,
     iterations_per_microbatch: int = 40,
     base_iterations: int = 300,
+    simulated_task_budget: int = 1_500_000,
+    min_iterations: int = 100,
     load_weights: Sequence[float] = (0.25, 0.5, 1.0, 2.0),
     max_sequences: int = 20000,
     blind_orders: int = 8,
     anneal_temperature: float = 0.0,
-) -> tuple[Schedule, PathReport]:
-    """:func:`schedule_paths` plus a :class:`PathReport`.
-
-    max_iterations: local-search steps; default ``base_iterations + iterations_per_microbatch x
-        microbatches`` (1500 for the 20-node setting: a few hundred simulations per second
-        of budget on a slow core, enough for the search to level off there).
-    load_weights: penalties tried by the construction when ``collision_aware`` (each gives one
-        starting point; the best simulated one is refined).
-    max_sequences: cap on enumerated stage orders (exponential in the path length).
-    blind_orders: data-node orders tried by the collision-blind construction.
-    anneal_temperature: simulated-annealing start temperature as a fraction of the starting
-        iteration time (0: plain descent).
-    """
+) -> PathSearch:
+    """:func:`schedule_paths_report`, also returning the collision-blind schedule."""
     t0 = time.perf_counter()
     st, counts = normalise_request(stages, cost, path_length, microbatches_per_data_node, memory)
     pb = _Problem(st, cost, path_length, memory, limits, max_sequences)
@@ -462,24 +542,55 @@ def schedule_paths_report(
                 "stage-balance", "could not find routes giving every non-zero stage an equal share under these limits"
             )
         candidates = [fallback]
+    blind_sched = routes_to_schedule(st, candidates[0], path_length, memory, cost, limits)
+    validate_schedule(blind_sched, microbatches_per_data_node=counts)
+    total = sum(counts.values())
+    iters = max_iterations if max_iterations is not None else iteration_budget(
+        total, path_length, iterations_per_microbatch=iterations_per_microbatch, base_iterations=base_iterations,
+        simulated_task_budget=simulated_task_budget, min_iterations=min_iterations,
+    )
     if not collision_aware:
-        best = candidates[0]
-        t = simulate_routes(best, cost, memory).iteration_time_s
-        sched = routes_to_schedule(st, best, path_length, memory, cost, limits)
-        validate_schedule(sched, microbatches_per_data_node=counts)
-        return sched, PathReport(t, t, 0, False, time.perf_counter() - t0)
+        t = simulate_routes(candidates[0], cost, memory).iteration_time_s
+        return PathSearch(blind_sched, PathReport(t, t, 0, False, time.perf_counter() - t0, 0), blind_sched)
     scored = [(_objective(r, cost, memory), i) for i, r in enumerate(candidates)]
     (cur_obj, bi) = min(scored)
     cur = {d: list(rs) for d, rs in candidates[bi].items()}
     initial = cur_obj[0]
-    total = sum(counts.values())
-    iters = max_iterations if max_iterations is not None else base_iterations + iterations_per_microbatch * total
     rng = random.Random(seed)
     done, hit = _local_search(pb, cur, cur_obj, iters, rng, t0 + budget_s, anneal_temperature)
     final = _objective(cur, cost, memory)[0]
     sched = routes_to_schedule(st, cur, path_length, memory, cost, limits)
     validate_schedule(sched, microbatches_per_data_node=counts)
-    return sched, PathReport(initial, final, done, hit, time.perf_counter() - t0)
+    return PathSearch(sched, PathReport(initial, final, done, hit, time.perf_counter() - t0, iters), blind_sched)
+
+
+def schedule_paths_report(
+    stages: Sequence[Sequence[int]],
+    cost: CostMatrix,
+    path_length: int,
+    microbatches_per_data_node: int | Mapping[int, int] | Sequence[int],
+    memory: int,
+    seed: int = 0,
+    budget_s: float = 60.0,
+    **options,
+) -> tuple[Schedule, PathReport]:
+    """:func:`schedule_paths` plus a :class:`PathReport`.
+
+    max_iterations: local-search steps (the work budget); default :func:`iteration_budget` of
+        the problem size, tuned by ``iterations_per_microbatch``, ``base_iterations``,
+        ``simulated_task_budget`` and ``min_iterations`` (see there).
+    budget_s: wall-clock safety cap on the whole search. Not reached, the result depends only
+        on the inputs and ``seed``; reached, the search stops early with a valid schedule and
+        the report says ``budget_hit``.
+    load_weights: penalties tried by the construction when ``collision_aware`` (each gives one
+        starting point; the best simulated one is refined).
+    max_sequences: cap on enumerated stage orders (exponential in the path length).
+    blind_orders: data-node orders tried by the collision-blind construction.
+    anneal_temperature: simulated-annealing start temperature as a fraction of the starting
+        iteration time (0: plain descent).
+    """
+    out = search_paths(stages, cost, path_length, microbatches_per_data_node, memory, seed, budget_s, **options)
+    return out.schedule, out.report
 
 
 def schedule_paths(
@@ -489,7 +600,7 @@ def schedule_paths(
     microbatches_per_data_node: int | Mapping[int, int] | Sequence[int],
     memory: int,
     seed: int = 0,
-    budget_s: float = 2.0,
+    budget_s: float = 60.0,
     **options,
 ) -> Schedule:
     """Routes for every microbatch over a FIXED allocation; always valid or ScheduleError.
@@ -500,8 +611,8 @@ def schedule_paths(
         ``1 - path_length / len(stages)``; ``== len(stages)`` means no skipping).
     microbatches_per_data_node: one count for all data nodes, a mapping, or a sequence aligned
         with ``stages[0]``; totals need not divide evenly.
-    memory: in-flight microbatches per node. seed: all randomness. budget_s: wall-clock cap (see
-        module docstring on determinism). options: see :func:`schedule_paths_report`.
+    memory: in-flight microbatches per node. seed: all randomness. budget_s: wall-clock safety
+        cap (see module docstring on determinism). options: see :func:`schedule_paths_report`.
     """
     return schedule_paths_report(stages, cost, path_length, microbatches_per_data_node, memory, seed, budget_s, **options)[0]
 
@@ -534,13 +645,13 @@ def _random_balanced(
                 ok = False
                 break
             rng.shuffle(adm)
-            adm.sort(key=lambda q: sum(min(visits[v] for v in stages[s]) for s in q))
+            low = [min(visits[v] for v in nodes) for nodes in stages]  # least visits per stage
+            adm.sort(key=lambda q: sum(low[s] for s in q))
             route = None
             for seq in adm:
                 r = [d]
                 for s in seq:
-                    low = min(visits[v] for v in stages[s])
-                    r.append(rng.choice([v for v in stages[s] if visits[v] == low]))
+                    r.append(rng.choice([v for v in stages[s] if visits[v] == low[s]]))
                 if not hops.would_cycle(r):
                     route = tuple(r)
                     break

@@ -24,8 +24,10 @@ from scheduler.validate import validate_schedule
 
 __all__ = ["register", "run_plan", "run_simulate"]
 
-#: Share of ``--budget-s`` given to the allocation search; the rest goes to the path search.
-ALLOCATION_BUDGET_SHARE = 0.25
+#: Default wall-clock safety cap of ``plan`` (allocation + path search). The searches are bounded
+#: by work (generations, iterations derived from the problem size); 1,000 nodes take under a
+#: minute on 2 idle cores, so 300 s is only reached by a stalled or heavily overloaded machine.
+DEFAULT_WALL_CAP_S = 300.0
 
 LABELS = {
     "full_pipeline": "full pipeline (DT-FM)",
@@ -69,7 +71,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-jump", type=int, default=RouteLimits().max_jump, help="largest forward stage jump (default 4)")
     p.add_argument("--locations", default=None, metavar="A,B,...", help="location of each node instead of round-robin")
     p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
-    p.add_argument("--budget-s", type=float, default=2.0, help="wall-clock cap for allocation + path search (default 2)")
+    p.add_argument(
+        "--budget-s", type=float, default=DEFAULT_WALL_CAP_S, metavar="S",
+        help="wall-clock safety cap for allocation + path search (default %(default)g). The searches are bounded by "
+        "work, so the same inputs and seed give the same schedule; if the cap cuts one short the result depends on "
+        "machine speed and the output says so",
+    )
     p.add_argument(
         "--json", nargs="?", const="-", default=None, metavar="FILE",
         help="write the SkipPipe schedule plus results as JSON to FILE (or stdout, replacing the table)",
@@ -104,34 +111,43 @@ def run_plan(args: argparse.Namespace) -> int:
         cost = build_cost(nodes, profile, shape, CostParams(hop_overhead_s=args.hop_overhead_s))
         limits = RouteLimits(max_swaps=args.max_swaps, max_jump=args.max_jump)
         t0 = time.perf_counter()
-        alloc = allocate(cost, args.stage_sizes, args.seed, args.budget_s * ALLOCATION_BUDGET_SHARE)
+        alloc = allocate(cost, args.stage_sizes, args.seed, args.budget_s)
         t_alloc = time.perf_counter() - t0
         cmp = compare_variants(
             alloc.stages, cost, args.path_length, args.microbatches, args.memory, args.seed,
-            args.budget_s * (1 - ALLOCATION_BUDGET_SHARE), limits=limits,
+            max(0.0, args.budget_s - t_alloc), limits=limits,
         )
     except ScheduleError as e:
         raise UserError(str(e)) from None
     t_paths = cmp.variants["skippipe"].wall_s
     S = len(args.stage_sizes)
+    hit_in = [name for name, hit in (("allocation", alloc.budget_hit), ("path search", cmp.report.budget_hit)) if hit]
     results = {
         "setting": {
             "profile": profile.name, "nodes": args.nodes, "stage_sizes": args.stage_sizes,
             "path_length": args.path_length, "skip_ratio": 1 - args.path_length / S,
             "microbatches_per_data_node": args.microbatches, "samples_per_microbatch": args.samples,
-            "layers_per_stage": args.layers_per_stage, "memory": args.memory, "seed": args.seed, "budget_s": args.budget_s,
+            "layers_per_stage": args.layers_per_stage, "memory": args.memory, "seed": args.seed,
         },
         "variants": cmp.to_json(),
-        "allocation_wall_s": t_alloc,
-        "scheduler_wall_s": t_alloc + t_paths,
-        "path_search": {"iterations": cmp.report.iterations, "budget_hit": cmp.report.budget_hit or alloc.budget_hit},
+        "lower_bound": cmp.bound.to_json(),
+        "gap_to_bound": cmp.gap("skippipe"),
+        "work": {
+            "allocation_generations": alloc.generations, "allocation_generation_budget": alloc.generation_budget,
+            "path_iterations": cmp.report.iterations, "path_iteration_budget": cmp.report.iteration_budget,
+        },
+        # no wall times in the JSON: all of it is a function of the inputs and the seed, unless
+        # the cap was hit, which this says (the wall times are printed, to stderr with --json)
+        "wall_cap": {"cap_s": args.budget_s, "hit": bool(hit_in), "hit_in": hit_in},
     }
+    wall_line = f"scheduler wall time: allocation {t_alloc:.2f} s + paths {t_paths:.2f} s = {t_alloc + t_paths:.2f} s"
     doc = cmp.variants["skippipe"].schedule.to_json()
     doc["results"] = results
     if args.json is not None:
         text = json.dumps(doc, indent=1)
         if args.json == "-":
             print(text)
+            print(wall_line, file=sys.stderr)
             return 0
         try:
             with open(args.json, "w", encoding="utf-8") as f:
@@ -145,17 +161,28 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     for s, nodes_s in enumerate(alloc.stages):
         print(f"  stage {s}: {list(nodes_s)}")
-    print(f"{'variant':<24}{'iteration (s)':>15}{'vs full':>10}")
+    print(f"{'variant':<24}{'iteration (s)':>15}{'vs full':>10}{'vs bound':>10}")
     for name in ("full_pipeline", "random_skip", "skippipe_no_tc2", "skippipe"):
-        print(f"{LABELS[name]:<24}{cmp.time_s(name):>15.2f}{cmp.ratio(name):>10.3f}")
+        above = "" if name == "full_pipeline" else f"{cmp.gap(name):>+10.1%}"
+        print(f"{LABELS[name]:<24}{cmp.time_s(name):>15.2f}{cmp.ratio(name):>10.3f}{above}")
     print(
         f"SkipPipe / full = {cmp.ratio('skippipe'):.3f}, SkipPipe / random skip = {cmp.ratio('skippipe', 'random_skip'):.3f}, "
         f"SkipPipe / no TC2 = {cmp.ratio('skippipe', 'skippipe_no_tc2'):.3f}"
     )
     print(
-        f"scheduler wall time: allocation {t_alloc:.2f} s + paths {t_paths:.2f} s = {t_alloc + t_paths:.2f} s"
-        + (" (budget cap hit)" if results["path_search"]["budget_hit"] else "")
+        f"lower bound on any skipping schedule: {cmp.bound.value_s:.2f} s ({cmp.bound.detail}); "
+        f"SkipPipe is {cmp.gap('skippipe'):+.1%} above it"
     )
+    print(
+        f"work: allocation {alloc.generations}/{alloc.generation_budget} generations, "
+        f"path search {cmp.report.iterations}/{cmp.report.iteration_budget} iterations"
+    )
+    print(wall_line)
+    if hit_in:
+        print(
+            f"warning: the wall-clock cap of {args.budget_s:g} s stopped the {' and the '.join(hit_in)} before "
+            f"{'its' if len(hit_in) == 1 else 'their'} work budget: this schedule depends on machine speed (raise --budget-s for a reproducible one)"
+        )
     if args.json not in (None, "-"):
         print(f"schedule and results written to {args.json}")
     return 0

@@ -31,3 +31,24 @@ def test_extra_nodes_left_out_and_too_few_rejected(geo_cost):
         allocate(geo_cost, [5, 3, 3, 3, 3, 3, 3], seed=0)
     with pytest.raises(ScheduleError, match="^stage-sizes"):
         allocate(geo_cost, [5, 0], seed=0)
+
+
+def test_bounded_by_work_not_by_the_wall_clock(geo_cost):
+    # the generations come from the work budget, so any cap that is not reached gives the same result
+    a = allocate(geo_cost, [5, 3, 3, 3, 3, 3], seed=1, budget_s=30)
+    b = allocate(geo_cost, [5, 3, 3, 3, 3, 3], seed=1, budget_s=1e6)
+    assert a == b and not a.budget_hit and a.generations == a.generation_budget == 120
+    cut = allocate(geo_cost, [5, 3, 3, 3, 3, 3], seed=1, budget_s=0.0)
+    assert cut.budget_hit and cut.generations < cut.generation_budget
+    assert [len(s) for s in cut.stages] == [5, 3, 3, 3, 3, 3]
+
+
+def test_generation_budget_shrinks_with_size():
+    from scheduler.allocation import generation_budget, matching_cells
+
+    assert generation_budget([5, 3, 3, 3, 3, 3]) == 120
+    big = generation_budget([250] + [150] * 5)  # 1,000 nodes
+    assert 10 <= big < 120
+    assert big == 250_000_000 // (13 * matching_cells([250] + [150] * 5))
+    assert generation_budget([2500] + [1500] * 5) == 10  # never below min_generations
+    assert generation_budget([5, 3], generations=4) == 4  # nor above the generations asked for

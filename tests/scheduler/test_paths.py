@@ -103,5 +103,23 @@ def test_request_errors():
 
 def test_budget_cap_still_returns_valid_schedule(geo_cost):
     sched, rep = schedule_paths_report(GEO_STAGES, geo_cost, 4, 6, 3, budget_s=0.0, max_iterations=10**6)
-    assert rep.budget_hit
+    assert rep.budget_hit and rep.iterations < rep.iteration_budget == 10**6
     validate_schedule(sched, microbatches_per_data_node=6)
+
+
+def test_default_search_is_bounded_by_work_not_by_the_wall_clock(geo_cost):
+    # no max_iterations: the work budget of the problem size; any cap not reached gives the same schedule
+    a, ra = schedule_paths_report(GEO_STAGES, geo_cost, 4, 6, 3, seed=2, budget_s=60)
+    b, rb = schedule_paths_report(GEO_STAGES, geo_cost, 4, 6, 3, seed=2, budget_s=1e6)
+    assert a.to_json() == b.to_json()
+    assert not ra.budget_hit and ra.iterations == ra.iteration_budget == rb.iterations == 1500
+
+
+def test_iteration_budget_shrinks_with_size():
+    from scheduler.paths import iteration_budget
+
+    assert iteration_budget(30, 4) == 300 + 40 * 30  # 20-node setting: 1500
+    assert iteration_budget(300, 4) == 1_500_000 // (300 * 9)  # 200 nodes: the simulated-task budget binds
+    assert iteration_budget(1500, 4) == 111
+    assert iteration_budget(100_000, 4) == 100  # never below min_iterations
+    assert iteration_budget(1, 4, base_iterations=5, iterations_per_microbatch=0) == 5  # nor above what is asked
