@@ -159,9 +159,14 @@ def load_checkpoint_dirs(paths: Sequence["str | pathlib.Path"]) -> LoadedModel:
         if d not in run_dirs:
             run_dirs.append(d)
     files: Dict[int, List[pathlib.Path]] = {}
+    folders: Dict[int, List[pathlib.Path]] = {}
     for d in run_dirs:
         for s, folder in sorted(_stage_dirs(d).items()):
             files.setdefault(s, []).extend(sorted(f for f in folder.glob("*.pt") if f.is_file()))
+            folders.setdefault(s, []).append(folder)
+    empty = [s for s, fs in files.items() if not fs]
+    if empty:
+        raise UserError(f"no checkpoint file in {', '.join(map(str, folders[empty[0]]))}")
     run_dir = run_dirs[0]
     label = run_dir if len(run_dirs) == 1 else f"{len(run_dirs)} folders ({', '.join(map(str, run_dirs))})"
     picked = {s: _pick_replica(s, fs) for s, fs in sorted(files.items()) if fs}
