@@ -158,7 +158,11 @@ def training_services_from_args(args: argparse.Namespace) -> list:
         resume=args.resume,
         iteration_timeout_s=args.iteration_timeout,
     )
-    return [TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
-                           start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,
-                           threads=args.threads, emulation=emulation_from_args(args), faults=faults,
-                           drain_timeout_s=float(getattr(args, "drain_timeout", 60.0)))]
+    service = TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
+                             start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,
+                             threads=args.threads, emulation=emulation_from_args(args), faults=faults,
+                             drain_timeout_s=float(getattr(args, "drain_timeout", 60.0)))
+    from node.ops.join_command import training_join_flags
+
+    service.join_flags = training_join_flags(args)  # what the founder's banner tells joiners to pass
+    return [service]
