@@ -64,7 +64,9 @@ def model_and_data_from_args(args: argparse.Namespace, resolve_tokenizer: bool =
     tokenizer_spec_of(data)  # validates a tokenizer path early
     vocab = None
     if resolve_tokenizer:
-        data, tok = resolve_data_config(data)
+        stages = getattr(args, "stages", None)
+        reads_corpus = not (stages and not getattr(args, "auto", False) and 0 not in stages)
+        data, tok = resolve_data_config(data, reads_corpus=reads_corpus)
         vocab = tok.vocab_size
     model_file = getattr(args, "model_config", None)
     if model_file is not None:

@@ -144,10 +144,21 @@ def load_tokenizer(cfg: DataConfig, cache_dir: Optional[pathlib.Path] = None):
     return tok
 
 
-def resolve_data_config(cfg: DataConfig, cache_dir: Optional[pathlib.Path] = None) -> Tuple[DataConfig, object]:
-    """``(cfg with tokenizer_hash filled in, tokenizer)``; checks the corpus up front."""
-    check_corpus(cfg.corpus, cfg.text_field)
-    tok = load_tokenizer(cfg, cache_dir)
+def resolve_data_config(cfg: DataConfig, cache_dir: Optional[pathlib.Path] = None,
+                        reads_corpus: bool = True) -> Tuple[DataConfig, object]:
+    """``(cfg with tokenizer_hash filled in, tokenizer)``; checks the corpus up front on a node that
+    reads it (``reads_corpus``: a data node, or one that may become one). A node that never holds
+    stage 0 needs the corpus only to train a ``bpe:VOCAB`` tokenizer, and not even then when it is
+    given the tokenizer.json."""
+    if reads_corpus:
+        check_corpus(cfg.corpus, cfg.text_field)
+    try:
+        tok = load_tokenizer(cfg, cache_dir)
+    except UserError as e:
+        if reads_corpus or tokenizer_spec_of(cfg).kind != "bpe":
+            raise
+        raise UserError(f"{e} (this node holds no data stage, but training the bpe tokenizer needs the corpus: "
+                        "pass the run's tokenizer.json with --tokenizer PATH instead)") from None
     return replace(cfg, tokenizer_hash=tok.hash), tok
 
 

@@ -201,3 +201,13 @@ def test_node_run_cli_reports_bad_corpus_as_one_line(tmp_path, capsys):
     rc = main(["node", "run", "--train", "--corpus", str(bad), "--rpc-port", "-1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error:") and "binary" in err[0]
+
+
+def test_a_node_without_stage_0_needs_no_corpus_for_bytes(tmp_path):
+    missing = str(tmp_path / "elsewhere.txt")
+    mcfg, data = model_and_data_from_args(_args(corpus=missing, stages=(2,), auto=False))
+    assert data.tokenizer_hash and mcfg.vocab_size == 256
+    with pytest.raises(UserError, match="--tokenizer PATH"):
+        model_and_data_from_args(_args(corpus=missing, stages=(2,), auto=False, tokenizer="bpe:300"))
+    with pytest.raises(UserError, match="no such file or folder"):
+        model_and_data_from_args(_args(corpus=missing, stages=(0,), auto=False))
