@@ -16,6 +16,12 @@ def _handler(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     loaded = load_checkpoint_dirs(args.checkpoint)
     n = loaded.n_stages
     kept = check_kept_stages(parse_stage_list(args.keep_stages), n) if args.keep_stages else tuple(range(n))
@@ -39,6 +45,8 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample only among the K likeliest tokens")
     p.add_argument("--keep-stages", default=None, metavar="0,S1,...", help="stages to run (must include 0; default all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's; 1 is fastest for small models on a busy machine)")
     p.add_argument("--tokenizer", default=None, metavar="bytes|bpe:VOCAB|PATH",
                    help="the run's tokenizer (default: the one the checkpoint records)")
     p.add_argument("--corpus", default=None, help="corpus a bpe:VOCAB tokenizer was trained on (default: recorded)")

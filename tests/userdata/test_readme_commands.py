@@ -48,18 +48,25 @@ def test_long_readme_commands_parse(argv):
 
 
 def test_quick_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: one thread is 10x faster than two contended ones on a busy CI box
     monkeypatch.chdir(tmp_path)
     save_node_checkpoints(tmp_path / "skippipe-up" / "checkpoints", run_id="up", one_root=True)
-    for argv in readme_commands():
-        if argv[0] == "--help":
-            with pytest.raises(SystemExit) as e:
-                main(argv)
-            assert e.value.code == 0
-        elif argv[0] in QUICK:
-            assert main(argv) == 0, argv
-            with pytest.raises(SystemExit) as e:  # and each has a --help
-                main([argv[0], "--help"])
-            assert e.value.code == 0
+    try:
+        for argv in readme_commands():
+            if argv[0] == "--help":
+                with pytest.raises(SystemExit) as e:
+                    main(argv)
+                assert e.value.code == 0
+            elif argv[0] in QUICK:
+                assert main(argv) == 0, argv
+                with pytest.raises(SystemExit) as e:  # and each has a --help
+                    main([argv[0], "--help"])
+                assert e.value.code == 0
+    finally:
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "SkipPipe" in out and "ROMEO:" in out
     assert (tmp_path / "schedule.json").is_file() and (tmp_path / "hf-model" / "model.safetensors").is_file()
