@@ -79,3 +79,22 @@ def test_generate_and_eval_take_gathered_checkpoints(tmp_path, capsys):
     assert main(["eval", "--checkpoint", *map(str, dirs), "--batches", "2", "--keep-stages", "0,1,3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["rows"][0]["kept"] == [0, 1, 2, 3, 4, 5] and report["rows"][1]["kept"] == [0, 1, 3]
+
+
+def test_export_ships_the_runs_bpe_tokenizer(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from node.train.data import DataConfig, resolve_data_config
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"The {i}th line of a small corpus, said the {i % 7}th speaker." for i in range(400)))
+    data, tok = resolve_data_config(DataConfig(corpus=str(corpus), tokenizer="bpe", bpe_vocab_size=300))
+    dirs = save_node_checkpoints(tmp_path / "ckpt", cfg=model_config("tiny", vocab_size=tok.vocab_size), data=data)
+    out = tmp_path / "hf"
+    assert main(["export", "--from", *map(str, dirs), "--out", str(out)]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "The 12th line, said the speaker."
+    assert hf_tok(text)["input_ids"] == [int(i) for i in tok.encode(text)]
+    # a tokenizer whose vocabulary does not fit the model is refused in one line
+    small = save_node_checkpoints(tmp_path / "ckpt256", data=data)
+    assert main(["export", "--from", *map(str, small), "--out", str(tmp_path / "hf2")]) == 2
+    assert "model's vocabulary is 256" in capsys.readouterr().err
