@@ -26,6 +26,8 @@ COMMAND_MODULES = (
     "node.cli.swarm_cmd",
     "node.cli.plan",
     "node.cli.eval_cmd",
+    "node.cli.generate_cmd",
+    "node.cli.export_cmd",
 )
 
 DESCRIPTION = """\
@@ -39,7 +41,9 @@ quick start:
   skippipe node run --new-swarm --stages 0      start a swarm of your own
   skippipe node run --initial-peers MADDR --auto   join a swarm
   skippipe swarm status --rpc http://127.0.0.1:PORT
-  skippipe plan --profile geo.json --nodes 20 --stage-sizes 5,3,3,3,3,3 --path-length 4
+  skippipe plan --profile geo-distributed-12 --nodes 20 --stage-sizes 5,3,3,3,3,3 --path-length 4
+  skippipe export --from CKPT_DIR... --out hf-model   Hugging Face transformers Llama checkpoint
+  skippipe generate --checkpoint CKPT_DIR... --prompt "To be"
 """
 
 

@@ -36,7 +36,7 @@ LABELS = ("A", "B")
 
 @dataclass
 class EvalOptions:
-    checkpoint: str
+    checkpoint: "str | List[str]"  # one folder, or several (each node's --checkpoint-dir) gathered into one model
     compare: Optional[str] = None
     keep_stages: Optional[str] = None
     omit_fraction: Optional[str] = None
@@ -47,6 +47,7 @@ class EvalOptions:
     seq_len: Optional[int] = None
     microbatch_size: Optional[int] = None
     branch_scale: Optional[str] = None
+    tokenizer: Optional[str] = None
 
 
 def _number(text: Optional[str], kind, flag: str):
@@ -88,19 +89,21 @@ def _subsets(opts: EvalOptions, n_stages: int) -> Tuple[str, List[Tuple[int, ...
 def run_eval(opts: EvalOptions) -> Dict[str, Any]:
     """Evaluate and return the report as a JSON-ready dict (what ``--json`` prints)."""
     from node.train.data import load_splits, validation_batches
-    from node.eval.omission import data_config_for, evaluate_kept, load_checkpoint_dir, omitted_count
+    from node.eval.omission import data_config_for, evaluate_kept, load_checkpoint_dirs, omitted_count
 
     if not opts.checkpoint:
         raise UserError("--checkpoint DIR is required")
     if opts.batches < 1:
         raise UserError(f"--batches must be at least 1, got {opts.batches}")
-    models = [load_checkpoint_dir(opts.checkpoint)]
+    checkpoints = [opts.checkpoint] if isinstance(opts.checkpoint, str) else list(opts.checkpoint)
+    models = [load_checkpoint_dirs(checkpoints)]
     if opts.compare:
-        models.append(load_checkpoint_dir(opts.compare))
+        models.append(load_checkpoint_dirs([opts.compare]))
     n_stages = models[0].n_stages
     if any(m.n_stages != n_stages for m in models):
         raise UserError(f"cannot compare a {n_stages}-stage model with a {models[1].n_stages}-stage one")
-    data_cfgs = [data_config_for(m.meta, m.config, opts.corpus, opts.seq_len, opts.microbatch_size) for m in models]
+    data_cfgs = [data_config_for(m.meta, m.config, opts.corpus, opts.seq_len, opts.microbatch_size, opts.tokenizer)
+                 for m in models]
     first = data_cfgs[0]
     if any((d.corpus, d.tokenizer, d.seq_len) != (first.corpus, first.tokenizer, first.seq_len) for d in data_cfgs):
         raise UserError("the checkpoints were trained on different data "
@@ -203,7 +206,7 @@ def _handler(args: argparse.Namespace) -> int:
     opts = EvalOptions(checkpoint=args.checkpoint, compare=args.compare, keep_stages=args.keep_stages,
                        omit_fraction=args.omit_fraction, trials=args.trials, seed=args.seed, batches=args.batches,
                        corpus=args.corpus, seq_len=args.seq_len, microbatch_size=args.microbatch_size,
-                       branch_scale=args.branch_scale)
+                       branch_scale=args.branch_scale, tokenizer=args.tokenizer)
     report = run_eval(opts)
     if args.json:
         json.dump(report, sys.stdout, indent=1)
@@ -222,7 +225,9 @@ def register(subparsers) -> None:
         "(embedding, LM head) is always kept; kept stages run in increasing order.",
     )
     # numbers the user types are parsed in the handler, so a bad value is one 'error:' line
-    p.add_argument("--checkpoint", metavar="DIR", default=None, help="checkpoint folder to evaluate (required)")
+    p.add_argument("--checkpoint", metavar="DIR", nargs="+", default=None,
+                   help="checkpoint folder(s) to evaluate (required): one holding every stage<k>/, or every node's "
+                        "--checkpoint-dir, gathered into one model")
     p.add_argument("--compare", metavar="DIR", default=None, help="second checkpoint evaluated side by side")
     p.add_argument("--keep-stages", metavar="0,S1,...", default=None, help="stages to keep (must include 0)")
     p.add_argument("--omit-fraction", metavar="F", default=None,
@@ -233,6 +238,8 @@ def register(subparsers) -> None:
     p.add_argument("--batches", type=int, default=DEFAULT_BATCHES,
                    help=f"validation batches (default {DEFAULT_BATCHES})")
     p.add_argument("--corpus", default=None, help="validation corpus (default: the one the checkpoint records)")
+    p.add_argument("--tokenizer", default=None, metavar="bytes|bpe:VOCAB|PATH",
+                   help="the run's tokenizer (default: the one the checkpoint records; its hash must match)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: recorded, else context)")
     p.add_argument("--microbatch-size", type=int, default=None, help="sequences per batch (default: recorded, else 8)")
     p.add_argument("--branch-scale", metavar="P", default=None,

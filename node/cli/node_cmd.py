@@ -112,6 +112,26 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
     return {"locations": locs, "compute_s": [forward] * len(locs), "link_s": [[link_s(a, b) for b in locs] for a in locs]}
 
 
+def _model_file_stages(args: argparse.Namespace) -> int | None:
+    """The stage count of ``--model-config`` (with ``--train``): the run's ``--num-stages`` unless given."""
+    path = getattr(args, "model_config", None)
+    if path is None or not getattr(args, "train", False):
+        return None
+    from node.train.model import load_model_config_file
+
+    return load_model_config_file(path, vocab_size=1).n_stages if _has_no_vocab(path) else load_model_config_file(path).n_stages
+
+
+def _has_no_vocab(path) -> bool:
+    import json
+
+    try:
+        raw = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # load_model_config_file reports it
+    return isinstance(raw, dict) and "vocab" not in raw and "vocab_size" not in raw
+
+
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     if args.heartbeat <= 0:
         raise UserError("--heartbeat must be positive")
@@ -142,7 +162,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         initial_peers=tuple(args.initial_peers),
         new_swarm=args.new_swarm,
         stages=None if args.auto or args.stages is None else tuple(args.stages),
-        num_stages=args.num_stages,
+        num_stages=args.num_stages if args.num_stages is not None else _model_file_stages(args),
         path_length=args.path_length,
         microbatches_per_data_node=args.microbatches,
         schedule_policy=policy,

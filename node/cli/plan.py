@@ -55,7 +55,7 @@ def register(subparsers) -> None:
         "and print the simulated iteration time of the full pipeline, random skip, SkipPipe without TC2 "
         "(collision awareness) and SkipPipe.",
     )
-    p.add_argument("--profile", required=True, metavar="FILE", help="location profile JSON (latency ms, bandwidth GiB/s)")
+    p.add_argument("--profile", required=True, metavar="FILE", help="location profile: a shipped name (geo-distributed-12) or a JSON file (latency ms, bandwidth GiB/s)")
     p.add_argument("--nodes", type=int, required=True, help="number of nodes (assigned to locations round-robin)")
     p.add_argument("--stage-sizes", type=_int_list, required=True, metavar="N0,N1,...", help="replicas per stage; stage 0 = data nodes")
     p.add_argument("--path-length", type=int, required=True, help="stages each microbatch visits, stage 0 included")
@@ -95,9 +95,16 @@ def register(subparsers) -> None:
     s.set_defaults(func=run_simulate)
 
 
+def _profile_path(name_or_path: str) -> str:
+    """A shipped profile's name (``geo-distributed-12``) or a path to a profile JSON."""
+    from node.cli.profiles import resolve_profile
+
+    return resolve_profile(name_or_path)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        profile = LinkProfile.load(args.profile)
+        profile = LinkProfile.load(_profile_path(args.profile))
         locations = [x.strip() for x in args.locations.split(",")] if args.locations else None
         nodes = nodes_round_robin(profile, args.nodes, args.memory, locations)
         shape = ModelShape(args.layers_per_stage, args.d_model, args.seq_len, args.samples, args.bytes_per_element)

@@ -15,17 +15,81 @@ from pathlib import Path
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
 from node.errors import UserError
 
-__all__ = ["add_training_arguments", "training_services_from_args", "DEFAULT_TRAIN_ITERATIONS"]
+__all__ = ["add_training_arguments", "add_model_data_arguments", "model_and_data_from_args",
+           "training_services_from_args", "DEFAULT_TRAIN_ITERATIONS", "MODEL_SIZE_NAMES", "default_tokenizer"]
 
 DEFAULT_TRAIN_ITERATIONS = 100
+MODEL_SIZE_NAMES = ("tiny", "small", "500m")
+#: BPE vocabulary the named ``500m`` size trains by default (its vocab in the paper).
+LARGE_MODEL_BPE = "bpe:32000"
+
+
+def default_tokenizer(model: str) -> str:
+    return LARGE_MODEL_BPE if model == "500m" else "bytes"
+
+
+def add_model_data_arguments(g) -> None:
+    """Model and data flags shared by ``node run --train`` and ``up`` (same names, same meaning)."""
+    g.add_argument("--model", default="tiny", choices=list(MODEL_SIZE_NAMES),
+                   help="named model size (its stage count follows the run's --num-stages)")
+    g.add_argument("--model-config", type=Path, default=None, metavar="model.json",
+                   help="model shape from a JSON file instead of --model: layers, d_model, heads, kv_heads, ffn, "
+                        "vocab (optional: the tokenizer's), context, stages")
+    g.add_argument("--corpus", default="shakespeare", metavar="NAME|PATH",
+                   help="data nodes' corpus: shakespeare, sotu, a text file, a folder of .txt/.md files, "
+                        "or a .jsonl/.parquet file (default %(default)s)")
+    g.add_argument("--text-field", default="text", metavar="FIELD",
+                   help="field holding the text in .jsonl/.parquet corpora (default %(default)s)")
+    g.add_argument("--tokenizer", default=None, metavar="bytes|bpe:VOCAB|PATH",
+                   help="bytes, bpe:VOCAB (a byte-level BPE trained once on the corpus and cached), or a "
+                        "tokenizer.json (default: bytes; bpe:32000 for --model 500m)")
+
+
+def model_and_data_from_args(args: argparse.Namespace, resolve_tokenizer: bool = True):
+    """``(ModelConfig, DataConfig)`` from the shared flags: the tokenizer is resolved (trained once if
+    needed) and its hash recorded in the DataConfig, the model's vocabulary is the tokenizer's, and
+    ``--model-config``'s stages must agree with ``--num-stages``. Bad values raise UserError."""
+    from dataclasses import replace
+
+    from node.train.data import DataConfig, resolve_data_config, tokenizer_spec_of
+    from node.train.model import load_model_config_file, model_config
+    from node.train.tokenizer import parse_tokenizer_spec
+
+    model = getattr(args, "model", "tiny") or "tiny"
+    spec = parse_tokenizer_spec(getattr(args, "tokenizer", None) or default_tokenizer(model))
+    data = DataConfig(corpus=str(getattr(args, "corpus", "shakespeare")), tokenizer=spec.config_name,
+                      bpe_vocab_size=spec.vocab_size if spec.kind == "bpe" else DataConfig.bpe_vocab_size,
+                      microbatch_size=getattr(args, "microbatch_size", 8), seed=getattr(args, "seed", 0),
+                      text_field=getattr(args, "text_field", "text") or "text")
+    tokenizer_spec_of(data)  # validates a tokenizer path early
+    vocab = None
+    if resolve_tokenizer:
+        stages = getattr(args, "stages", None)
+        reads_corpus = not (stages and not getattr(args, "auto", False) and 0 not in stages)
+        data, tok = resolve_data_config(data, reads_corpus=reads_corpus)
+        vocab = tok.vocab_size
+    model_file = getattr(args, "model_config", None)
+    if model_file is not None:
+        mcfg = load_model_config_file(model_file, vocab_size=vocab)
+        name = str(model_file)
+    else:
+        mcfg = model_config(model, vocab_size=vocab)
+        name = model
+    num_stages = getattr(args, "num_stages", None)
+    if model_file is not None and num_stages is not None and num_stages != mcfg.n_stages:
+        raise UserError(f"--num-stages {num_stages} differs from the {mcfg.n_stages} stages of --model-config {model_file}")
+    seq_len = getattr(args, "seq_len", None)
+    if seq_len is None:
+        seq_len = min(mcfg.context, 64) if (model == "tiny" and model_file is None) else mcfg.context
+    if seq_len > mcfg.context:
+        raise UserError(f"--seq-len {seq_len} exceeds the {name} context of {mcfg.context}")
+    return mcfg, replace(data, seq_len=seq_len)
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (with --train)")
     g.add_argument("--train", action="store_true", help="run a trainer for this node's stage inside the daemon")
-    g.add_argument("--model", default="tiny", choices=["tiny", "small", "500m"],
-                   help="model size (its stage count follows the run's --num-stages)")
-    g.add_argument("--corpus", default="shakespeare", choices=["shakespeare", "sotu"], help="data nodes' corpus")
+    add_model_data_arguments(g)
     g.add_argument("--iterations", type=int, default=DEFAULT_TRAIN_ITERATIONS,
                    help="iterations to train in total (default %(default)s)")
     g.add_argument("--checkpoint-dir", type=Path, default=None, help="folder for this node's checkpoints")
@@ -79,21 +143,16 @@ def training_services_from_args(args: argparse.Namespace) -> list:
 
     faults = FaultInjector([parse_fault(spec) for spec in getattr(args, "inject", None) or []]) or None
 
-    from node.train.data import DataConfig
-    from node.train.model import model_config
     from node.train.runtime import OptimConfig
     from node.train.trainer import TrainerConfig, TrainerService
 
-    mcfg = model_config(args.model)
-    seq_len = args.seq_len if args.seq_len is not None else (min(mcfg.context, 64) if args.model == "tiny" else mcfg.context)
-    if seq_len > mcfg.context:
-        raise UserError(f"--seq-len {seq_len} exceeds the {args.model} context of {mcfg.context}")
+    mcfg, data = model_and_data_from_args(args)
     optim = OptimConfig() if args.lr is None else OptimConfig(lr=args.lr)
     config = TrainerConfig(
         run_id=args.run_id,
         model=mcfg,
         optim=optim,
-        data=DataConfig(corpus=args.corpus, microbatch_size=args.microbatch_size, seq_len=seq_len, seed=args.seed),
+        data=data,
         seed=args.seed,
         device=getattr(args, "device", "cpu"),
         checkpoint_dir=str(args.checkpoint_dir.expanduser()) if args.checkpoint_dir else None,
@@ -101,7 +160,11 @@ def training_services_from_args(args: argparse.Namespace) -> list:
         resume=args.resume,
         iteration_timeout_s=args.iteration_timeout,
     )
-    return [TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
-                           start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,
-                           threads=args.threads, emulation=emulation_from_args(args), faults=faults,
-                           drain_timeout_s=float(getattr(args, "drain_timeout", 60.0)))]
+    service = TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
+                             start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,
+                             threads=args.threads, emulation=emulation_from_args(args), faults=faults,
+                             drain_timeout_s=float(getattr(args, "drain_timeout", 60.0)))
+    from node.ops.join_command import training_join_flags
+
+    service.join_flags = training_join_flags(args)  # what the founder's banner tells joiners to pass
+    return [service]

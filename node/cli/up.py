@@ -303,9 +303,32 @@ class UpOptions:
     start_timeout_s: float = 480.0  # daemon mode: until the first iteration is committed
     stall_timeout_s: float = 240.0  # daemon mode: longest wait for the next iteration
     emulation: Optional[object] = None  # node.cli.emulation_args.EmulationSettings; None = no WAN/compute emulation
+    # the model/data flags node run takes (node.cli.train_args.add_model_data_arguments) and --num-stages
+    num_stages: Optional[int] = None
+    model_config: Optional[str] = None
+    text_field: str = "text"
+    tokenizer: Optional[str] = None
+
+
+def _model_and_data(opts: UpOptions):
+    """``(ModelConfig, DataConfig)`` exactly as every ``node run --train`` of this swarm resolves them
+    (the tokenizer is trained/cached here once, before the daemons start), with ``--num-stages``."""
+    from node.cli.train_args import model_and_data_from_args
+
+    if opts.num_stages is not None and opts.num_stages < 2:
+        raise UserError(f"--num-stages must be at least 2, got {opts.num_stages}")
+    ns = argparse.Namespace(model=opts.model, model_config=opts.model_config, corpus=opts.corpus,
+                            text_field=opts.text_field, tokenizer=opts.tokenizer, microbatch_size=opts.microbatch_size,
+                            seed=opts.seed, seq_len=None, num_stages=opts.num_stages)
+    mcfg, data_cfg = model_and_data_from_args(ns)
+    if opts.num_stages is not None and opts.num_stages != mcfg.n_stages:
+        mcfg = replace(mcfg, n_stages=opts.num_stages).validate()  # layers per stage stay those of the size
+    return mcfg, data_cfg
 
 
 def _parse_replicas(text: str, n_stages: int) -> List[int]:
+    if text == DEFAULT_REPLICAS and n_stages != len(text.split(",")) + 1:
+        text = ",".join((["2", "2"] + ["1"] * n_stages)[: n_stages - 1])  # the default layout, resized
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -359,8 +382,7 @@ def _plot(history: List[dict], path: pathlib.Path, title: str) -> bool:
 
 
 async def run_up(opts: UpOptions) -> dict:
-    from node.train.data import DataConfig, load_splits, validation_batches
-    from node.train.model import model_config
+    from node.train.data import load_splits, validation_batches
     from node.train.reference import evaluate_loss
     from node.train.runtime import OptimConfig
     from node.train.trainer import TrainerConfig
@@ -372,10 +394,8 @@ async def run_up(opts: UpOptions) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create output folder {out}: {e}")
-    data_cfg = DataConfig(corpus=opts.corpus, microbatch_size=opts.microbatch_size, seed=opts.seed)
+    mcfg, data_cfg = _model_and_data(opts)
     splits = load_splits(data_cfg)
-    mcfg = model_config(opts.model, vocab_size=max(splits.vocab_size, 256) if opts.model != "500m" else None)
-    data_cfg = replace(data_cfg, seq_len=min(mcfg.context, 64 if opts.model == "tiny" else mcfg.context))
     replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
     schedule = build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches,
                               opts.memory, reorder=opts.reorder)
@@ -438,24 +458,21 @@ _POLL_S = 1.0
 
 def _layout(opts: UpOptions):
     """Model config, data config, replica counts (flag checks shared with the in-process harness)."""
-    from node.train.data import DataConfig
-    from node.train.model import model_config
-
     if opts.iterations < 1:
         raise UserError("--iterations must be at least 1")
-    mcfg = model_config(opts.model)
+    mcfg, data_cfg = _model_and_data(opts)
     replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
     build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches, opts.memory)
     if opts.scheduler != "skippipe":
         raise UserError("--scheduler builtin needs --in-process (the daemons' coordinator uses the SkipPipe scheduler)")
-    data_cfg = DataConfig(corpus=opts.corpus, microbatch_size=opts.microbatch_size, seed=opts.seed,
-                          seq_len=min(mcfg.context, 64) if opts.model == "tiny" else mcfg.context)
     return mcfg, data_cfg, replicas
 
 
 def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[int], List[str]]:
     def args(i: int) -> List[str]:
-        a = ["--train", "--model", opts.model, "--corpus", opts.corpus, "--iterations", str(opts.iterations),
+        a = ["--train", "--model", opts.model, "--corpus", opts.corpus, "--text-field", opts.text_field,
+             *(["--model-config", str(opts.model_config)] if opts.model_config else []),
+             *(["--tokenizer", opts.tokenizer] if opts.tokenizer else []), "--iterations", str(opts.iterations),
              "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(opts.checkpoint_every),
              "--node-name", f"node{i}", "--min-members", str(n_nodes), "--lr", repr(opts.lr), "--seed", str(opts.seed),
              "--microbatch-size", str(opts.microbatch_size), "--microbatches", str(opts.microbatches),
@@ -633,7 +650,9 @@ def _handler(args: argparse.Namespace) -> int:
                      microbatches=args.microbatches, microbatch_size=args.microbatch_size, memory=args.memory,
                      lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
                      reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet,
-                     in_process=args.in_process, emulation=emulation_from_args(args, require_location=False))
+                     in_process=args.in_process, emulation=emulation_from_args(args, require_location=False),
+                     num_stages=args.num_stages, model_config=args.model_config, text_field=args.text_field,
+                     tokenizer=args.tokenizer)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not opts.in_process:
         def on_term(signum, frame):
@@ -664,8 +683,11 @@ def register(subparsers) -> None:
                     "model on Shakespeare with stage skipping, write a loss curve and a summary, stop cleanly.")
     p.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, help="total iterations (default %(default)s)")
     p.add_argument("--out", default="skippipe-up", help="output folder (default ./%(default)s)")
-    p.add_argument("--model", default="tiny", choices=["tiny", "small", "500m"])
-    p.add_argument("--corpus", default="shakespeare", choices=["shakespeare", "sotu"])
+    from node.cli.train_args import add_model_data_arguments
+
+    add_model_data_arguments(p)  # --model, --model-config, --corpus, --text-field, --tokenizer: as node run
+    p.add_argument("--num-stages", type=int, default=None,
+                   help="pipeline stages (default: the model's, 6 for the named sizes); as node run --num-stages")
     p.add_argument("--data-nodes", type=int, default=DEFAULT_DATA_NODES)
     p.add_argument("--replicas", default=DEFAULT_REPLICAS,
                    help="replicas of stages 1..S-1, comma-separated or one number (default %(default)s)")

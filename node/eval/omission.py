@@ -35,6 +35,7 @@ __all__ = [
     "OmissionResult",
     "find_run_dir",
     "load_checkpoint_dir",
+    "load_checkpoint_dirs",
     "parse_stage_list",
     "check_kept_stages",
     "omitted_count",
@@ -114,7 +115,8 @@ def find_run_dir(path: pathlib.Path) -> pathlib.Path:
     raise UserError(f"{path} holds several runs ({', '.join(r.name for r in runs)}); pass one of them")
 
 
-def _read(run_dir: pathlib.Path, stage: int, file: pathlib.Path) -> Checkpoint:
+def _read(file: pathlib.Path, stage: int) -> Checkpoint:
+    run_dir = file.parent.parent
     store = CheckpointStore(run_dir.parent, run_dir.name, stage, file.stem)
     try:
         ckpt = store.load()
@@ -126,43 +128,69 @@ def _read(run_dir: pathlib.Path, stage: int, file: pathlib.Path) -> Checkpoint:
     return ckpt
 
 
-def _pick_replica(run_dir: pathlib.Path, stage: int, folder: pathlib.Path) -> Tuple[pathlib.Path, Checkpoint]:
-    """The replica with the latest iteration (ties: first file name). Replicas of one stage hold
-    the same weights after every averaged step, so any one of them is the stage."""
-    files = sorted(f for f in folder.glob("*.pt") if f.is_file())
+def _pick_replica(stage: int, files: Sequence[pathlib.Path]) -> Tuple[pathlib.Path, Checkpoint]:
+    """The replica with the latest iteration (ties: first file). Replicas of one stage hold the same
+    weights after every averaged step, so any one of them is the stage."""
     if not files:
-        raise UserError(f"no checkpoint file in {folder}")
-    read = [(f, _read(run_dir, stage, f)) for f in files]
+        raise UserError(f"no checkpoint file for stage {stage}")
+    read = [(f, _read(f, stage)) for f in files]
     latest = max(c.iteration for _, c in read)
     best = next(fc for fc in read if fc[1].iteration == latest)
     same_step = {c.meta.get("checksum") for _, c in read if c.iteration == best[1].iteration}
     if len(same_step - {None}) > 1:
-        logger.warning("replicas of stage %d in %s differ at iteration %d; using %s",
-                       stage, folder, best[1].iteration, best[0].name)
+        logger.warning("replicas of stage %d differ at iteration %d; using %s", stage, best[1].iteration, best[0])
     return best
 
 
 def load_checkpoint_dir(path: "str | pathlib.Path") -> LoadedModel:
     """Rebuild every stage module from a checkpoint folder; raises UserError on anything that
     does not add up (missing stage, mixed iterations, weights that do not fit the config)."""
-    run_dir = find_run_dir(pathlib.Path(path))
-    dirs = _stage_dirs(run_dir)
-    picked = {s: _pick_replica(run_dir, s, d) for s, d in sorted(dirs.items())}
+    return load_checkpoint_dirs([path])
+
+
+def load_checkpoint_dirs(paths: Sequence["str | pathlib.Path"]) -> LoadedModel:
+    """Gather the stages of one model from several checkpoint folders (each node checkpoints only its
+    own stage: pass every node's ``--checkpoint-dir``, or one folder holding all ``stage<k>/``)."""
+    if not paths:
+        raise UserError("no checkpoint folder given")
+    run_dirs = []
+    for p in paths:
+        d = find_run_dir(pathlib.Path(p))
+        if d not in run_dirs:
+            run_dirs.append(d)
+    files: Dict[int, List[pathlib.Path]] = {}
+    folders: Dict[int, List[pathlib.Path]] = {}
+    for d in run_dirs:
+        for s, folder in sorted(_stage_dirs(d).items()):
+            files.setdefault(s, []).extend(sorted(f for f in folder.glob("*.pt") if f.is_file()))
+            folders.setdefault(s, []).append(folder)
+    empty = [s for s, fs in files.items() if not fs]
+    if empty:
+        raise UserError(f"no checkpoint file in {', '.join(map(str, folders[empty[0]]))}")
+    run_dir = run_dirs[0]
+    label = run_dir if len(run_dirs) == 1 else f"{len(run_dirs)} folders ({', '.join(map(str, run_dirs))})"
+    picked = {s: _pick_replica(s, fs) for s, fs in sorted(files.items()) if fs}
+    if not picked:
+        raise UserError(f"no checkpoint file in {label}")
     meta = picked[min(picked)][1].meta
     if not isinstance(meta, Mapping) or not isinstance(meta.get("model"), Mapping):
-        raise UserError(f"checkpoint {run_dir} does not record its model configuration (meta['model'])")
+        raise UserError(f"checkpoint {label} does not record its model configuration (meta['model'])")
+    run_ids = {str(c.meta.get("run_id")) for _, c in picked.values() if isinstance(c.meta, Mapping) and c.meta.get("run_id")}
+    if len(run_ids) > 1:
+        raise UserError(f"the checkpoints in {label} belong to different runs: {', '.join(sorted(run_ids))}")
     try:
         cfg = ModelConfig.from_dict(dict(meta["model"]))
     except (TypeError, ValueError) as e:
-        raise UserError(f"checkpoint {run_dir} has an invalid model configuration: {e}") from None
+        raise UserError(f"checkpoint {label} has an invalid model configuration: {e}") from None
     missing = [s for s in range(cfg.n_stages) if s not in picked]
     extra = [s for s in picked if s >= cfg.n_stages]
     if missing or extra:
-        raise UserError(f"checkpoint {run_dir} is incomplete for a {cfg.n_stages}-stage model: "
-                        f"missing stages {missing}" + (f", unexpected stages {extra}" if extra else ""))
+        raise UserError(f"checkpoint {label} is incomplete for a {cfg.n_stages}-stage model: "
+                        f"missing stages {missing}" + (f", unexpected stages {extra}" if extra else "")
+                        + ("" if not missing else "; pass every node's checkpoint folder"))
     iterations = {s: c.iteration for s, (_, c) in picked.items()}
     if len(set(iterations.values())) != 1:
-        raise UserError(f"stage checkpoints in {run_dir} are from different iterations: "
+        raise UserError(f"stage checkpoints in {label} are from different iterations: "
                         + ", ".join(f"stage {s} at {i}" for s, i in sorted(iterations.items())))
     modules = []
     for s in range(cfg.n_stages):
@@ -240,11 +268,19 @@ def evaluate_kept(modules: Sequence[StageModule], batches: Sequence[Tuple[torch.
 
 
 def data_config_for(meta: Mapping[str, Any], model: ModelConfig, corpus: Optional[str] = None,
-                    seq_len: Optional[int] = None, microbatch_size: Optional[int] = None) -> DataConfig:
+                    seq_len: Optional[int] = None, microbatch_size: Optional[int] = None,
+                    tokenizer: Optional[str] = None) -> DataConfig:
     """The validation data a checkpoint was trained against, from its meta when recorded
     (single-process runs record it), else ``skippipe up``'s defaults; flags override both."""
-    recorded = meta.get("data") if isinstance(meta.get("data"), Mapping) else {}
+    recorded = dict(meta.get("data")) if isinstance(meta.get("data"), Mapping) else {}
     defaults = DataConfig()
+    if tokenizer is not None:  # the recorded hash stays: a different tokenizer is an error, not a surprise
+        from node.train.tokenizer import parse_tokenizer_spec
+
+        spec = parse_tokenizer_spec(tokenizer)
+        recorded["tokenizer"] = spec.config_name
+        if spec.kind == "bpe":
+            recorded["bpe_vocab_size"] = spec.vocab_size
     cfg = DataConfig(
         corpus=corpus or str(recorded.get("corpus", defaults.corpus)),
         tokenizer=str(recorded.get("tokenizer", defaults.tokenizer)),
@@ -253,6 +289,8 @@ def data_config_for(meta: Mapping[str, Any], model: ModelConfig, corpus: Optiona
         microbatch_size=int(microbatch_size or recorded.get("microbatch_size", defaults.microbatch_size)),
         val_fraction=float(recorded.get("val_fraction", defaults.val_fraction)),
         seed=int(recorded.get("seed", defaults.seed)),
+        text_field=str(recorded.get("text_field", defaults.text_field)),
+        tokenizer_hash=str(recorded.get("tokenizer_hash", "")),
     )
     if not 1 <= cfg.seq_len <= model.context:
         raise UserError(f"--seq-len must be in 1..{model.context} (the model's context), got {cfg.seq_len}")

@@ -210,10 +210,7 @@ class PathTrainer:
     def checkpoint_meta(self, run_id: str, extra: Optional[Mapping] = None) -> dict:
         """What a reader needs to rebuild and evaluate the model without guessing flags."""
         meta = {"run_id": run_id, "trainer": TRAINER_KIND, "model": self.model_cfg.to_dict(),
-                "data": {"corpus": self.data_cfg.corpus, "tokenizer": self.data_cfg.tokenizer,
-                         "bpe_vocab_size": self.data_cfg.bpe_vocab_size, "seq_len": self.data_cfg.seq_len,
-                         "microbatch_size": self.data_cfg.microbatch_size,
-                         "val_fraction": self.data_cfg.val_fraction, "seed": self.data_cfg.seed},
+                "data": dict(vars(self.data_cfg)),  # every DataConfig field, the tokenizer hash included
                 "seed": self.seed}
         meta.update(dict(extra or {}))
         return meta

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, Optional
 
@@ -27,6 +28,8 @@ __all__ = [
     "ModelConfig",
     "MODEL_SIZES",
     "model_config",
+    "load_model_config_file",
+    "MODEL_FILE_KEYS",
     "RMSNorm",
     "DecoderLayer",
     "StageModule",
@@ -106,6 +109,68 @@ def model_config(size: str = "tiny", **overrides: int) -> ModelConfig:
     if size not in MODEL_SIZES:
         raise UserError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
     return replace(MODEL_SIZES[size], **{k: v for k, v in overrides.items() if v is not None}).validate()
+
+
+#: Keys of a ``--model-config`` JSON file -> ModelConfig fields (the ModelConfig names work too).
+MODEL_FILE_KEYS: Dict[str, str] = {
+    "layers": "n_layers", "d_model": "d_model", "heads": "n_heads", "kv_heads": "n_kv_heads", "ffn": "ffn_dim",
+    "vocab": "vocab_size", "context": "context", "stages": "n_stages",
+}
+_FIELD_KEYS = {"vocab_size", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "context", "n_stages",
+               "layers_per_stage", "n_layers"}
+
+
+def load_model_config_file(path: "str | os.PathLike", vocab_size: Optional[int] = None) -> ModelConfig:
+    """A model shape from a JSON file: ``{"layers", "d_model", "heads", "kv_heads", "ffn", "vocab",
+    "context", "stages"}`` (``kv_heads`` defaults to ``heads``; ``vocab`` may be left out and then
+    comes from the tokenizer, ``vocab_size``). ``layers`` must split evenly into ``stages``.
+    Every mistake is one UserError naming the file."""
+    import json
+    import pathlib
+
+    p = pathlib.Path(path).expanduser()
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"--model-config {p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--model-config {p}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--model-config {p} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"--model-config {p} must hold a JSON object")
+    fields: Dict[str, int] = {}
+    for key, value in raw.items():
+        name = MODEL_FILE_KEYS.get(key, key)
+        if name not in _FIELD_KEYS:
+            raise UserError(f"--model-config {p}: unknown key {key!r} (known: {', '.join(MODEL_FILE_KEYS)})")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"--model-config {p}: {key} must be a whole number, got {value!r}")
+        if value <= 0:
+            raise UserError(f"--model-config {p}: {key} must be positive, got {value}")
+        fields[name] = value
+    if "vocab_size" not in fields:
+        if vocab_size is None:
+            raise UserError(f"--model-config {p}: no vocab given and no tokenizer to take it from")
+        fields["vocab_size"] = vocab_size
+    elif vocab_size is not None and fields["vocab_size"] != vocab_size:
+        raise UserError(f"--model-config {p}: vocab {fields['vocab_size']} differs from the tokenizer's vocabulary "
+                        f"of {vocab_size} tokens (leave vocab out to take the tokenizer's)")
+    fields.setdefault("n_kv_heads", fields.get("n_heads", 0))
+    missing = [k for k, f in MODEL_FILE_KEYS.items() if f not in fields and not (f == "n_layers" and "layers_per_stage" in fields)]
+    if missing:
+        raise UserError(f"--model-config {p}: missing {', '.join(missing)}")
+    n_layers = fields.pop("n_layers", None)
+    if n_layers is not None:
+        if n_layers % fields["n_stages"]:
+            raise UserError(f"--model-config {p}: {n_layers} layers do not split evenly into {fields['n_stages']} stages")
+        per = n_layers // fields["n_stages"]
+        if fields.setdefault("layers_per_stage", per) != per:
+            raise UserError(f"--model-config {p}: layers {n_layers} != stages x layers_per_stage")
+    try:
+        return ModelConfig(**fields).validate()
+    except UserError as e:
+        raise UserError(f"--model-config {p}: {e}") from None
 
 
 class RMSNorm(nn.Module):

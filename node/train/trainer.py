@@ -1446,7 +1446,8 @@ class TrainerNode:
         it = self.committed_iteration
         state = await self._compute(self.runtime.state_dict)
         meta = {"run_id": self.cfg.run_id, "epoch": self.epoch.epoch, "model": self.cfg.model.to_dict(),
-                "peer_id": self.peer_id, "checksum": self.runtime.checksum()}
+                "peer_id": self.peer_id, "checksum": self.runtime.checksum(),
+                "data": dict(vars(self.cfg.data))}  # tokenizer + hash: what eval/export/generate read back
         await self._compute(lambda: self.checkpoints.save(it, state, meta))
         self._last_saved = it
 
