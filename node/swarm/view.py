@@ -175,14 +175,6 @@ class SwarmView:
         """Best knowledge of src->dst: src's own report, else dst's report of the reverse link."""
         return self.links.get(src, {}).get(dst) or self.links.get(dst, {}).get(src)
 
-    def stage_counts(self, num_stages: int) -> list[int]:
-        counts = [0] * num_stages
-        for entry in self.online():
-            for s in entry.advert.stages:
-                if 0 <= s < num_stages:
-                    counts[s] += 1
-        return counts
-
     def to_json(self) -> dict:
         return {
             "run_id": self.run_id,
