@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from node.swarm.states import NodeState
 from protocol.messages import PEER_STATE_ORDER, LinkReport, MembershipEvent, StageAdvert
 
 __all__ = ["PeerEntry", "LinkStat", "SwarmView", "STATES"]
@@ -52,7 +53,7 @@ class PeerEntry:
     @property
     def state(self) -> str:
         if self.left_at is not None and self.left_at >= self.advert.timestamp:
-            return "OFFLINE"
+            return NodeState.OFFLINE
         return self.advert.state
 
     def to_json(self) -> dict:
@@ -157,10 +158,10 @@ class SwarmView:
     # ------------------------------------------------------------------ queries
     def alive(self) -> list[PeerEntry]:
         """Peers not known to have left, sorted by peer id."""
-        return [self.peers[p] for p in sorted(self.peers) if self.peers[p].state != "OFFLINE"]
+        return [self.peers[p] for p in sorted(self.peers) if self.peers[p].state != NodeState.OFFLINE]
 
     def online(self) -> list[PeerEntry]:
-        return [e for e in self.alive() if e.state == "ONLINE"]
+        return [e for e in self.alive() if e.state == NodeState.ONLINE]
 
     def get(self, peer_id: str) -> PeerEntry | None:
         return self.peers.get(peer_id)
