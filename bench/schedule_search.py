@@ -4,7 +4,7 @@ For each setting prints the simulated iteration time of the four variants (full 
 random skip, SkipPipe without TC2, SkipPipe), the SkipPipe / full ratio and the scheduler wall
 time (allocation + SkipPipe path search), plus how long one simulation of the iteration takes.
 
-    python bench/scheduler.py [--nodes 20,40,100,200] [--seed 0] [--profile FILE]
+    python bench/schedule_search.py [--nodes 20,40,100,200] [--seed 0] [--profile FILE]
 
 Targets (issue #3): SkipPipe / full <= 0.40 at 20 nodes; scheduling <= 2 s at 20 nodes and
 <= 60 s at 200 nodes on 2 cores. Stage sizes scale as [N/4, 3N/20 x 5] (20 -> 5,3,3,3,3,3);
@@ -14,16 +14,13 @@ path length 4 of 6 stages (33% skip), 6 microbatches x 8 samples per data node, 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scheduler.allocation import allocate  # noqa: E402
-from scheduler.compare import compare_variants  # noqa: E402
-from scheduler.cost import LinkProfile, build_cost, nodes_round_robin  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.allocation import allocate
+from scheduler.compare import compare_variants
+from scheduler.cost import LinkProfile, build_cost, nodes_round_robin
+from scheduler.simulator import simulate
 
 DEFAULT_PROFILE = "/work/shared/profiles/geo-distributed-12.json"
 #: Total scheduling budget (allocation + paths) per node count; the issue's targets.
