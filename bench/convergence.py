@@ -45,22 +45,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Sequence
 
-# bench/ holds scripts named like our packages (scheduler.py, protocol.py): drop this folder from
-# sys.path so that ``import scheduler`` finds the package, not a sibling script.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 
-import torch  # noqa: E402
+import torch
 
-from node.train.data import DataConfig, TokenSplits, load_splits, validation_batches  # noqa: E402
-from node.train.model import model_config  # noqa: E402
-from node.ops.plotting import load_pyplot  # noqa: E402
-from node.eval.path_training import PathTrainer, full_pipeline_schedule  # noqa: E402
-from node.train.reference import evaluate_loss  # noqa: E402
-from node.train.runtime import OptimConfig  # noqa: E402
-from scheduler.cost import CostMatrix  # noqa: E402
-from scheduler.paths import schedule_paths_report  # noqa: E402
-from scheduler.schedule import Schedule  # noqa: E402
+from node.train.data import DataConfig, TokenSplits, load_splits, validation_batches
+from node.train.model import model_config
+from node.ops.plotting import load_pyplot
+from node.eval.path_training import PathTrainer, full_pipeline_schedule
+from node.train.reference import evaluate_loss
+from node.train.runtime import OptimConfig
+from scheduler.cost import CostMatrix
+from scheduler.paths import schedule_paths_report
+from scheduler.schedule import Schedule
 
 __all__ = ["BenchConfig", "RunResult", "skip_schedule", "train_run", "run_variants", "loss_at_iteration",
            "equal_time_gaps", "wan_time_ratios", "main", "RESULTS_DIR", "DEFAULT_CHECKPOINTS"]

@@ -44,27 +44,22 @@ import asyncio
 import cProfile
 import io
 import os
-import pathlib
 import pstats
 import statistics
-import sys
 import time
 
-_ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-import node.compat  # noqa: E402,F401  (before hivemind)
-from node.compat import import_hivemind  # noqa: E402
+import node.compat  # noqa: F401  (before hivemind)
+from node.compat import import_hivemind
 
 hivemind = import_hivemind()
 
-import torch  # noqa: E402
-import uvloop  # noqa: E402
+import torch
+import uvloop
 
-import node.dataplane.transport as dataplane_module  # noqa: E402
-from node.dataplane.transport import DataPlane  # noqa: E402
-from protocol import ActivationMessage, GradientMessage, MicrobatchId, TensorFrame  # noqa: E402
+import node.dataplane.transport as dataplane_module
+from node.dataplane.transport import DataPlane
+from protocol import ActivationMessage, GradientMessage, MicrobatchId, TensorFrame
 
 P2P = hivemind.p2p.P2P
 MIB = 1024 * 1024

@@ -2,7 +2,7 @@
 
 Why: the README's failure rule ("When nodes fail, join or leave") promises that training goes on
 when volunteers crash or arrive. This measures how much it costs, on real daemons: one swarm of
-``skippipe node run --train`` processes (:class:`node.testing.process_swarm.LocalSwarm`, one process group
+``skippipe node run --train`` processes (:class:`node.testing.process_swarm.ProcessSwarm`, one process group
 each) trains a tiny model on 127.0.0.1 while this script kills and adds nodes.
 
 Phases, one after another on the same swarm (defaults in brackets):
@@ -63,11 +63,12 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
+from node.ops.tables import text_table
+from node.testing.process_swarm import training_state
+from node.testing.procs import ancestors, processes_mentioning
+
 _HERE = pathlib.Path(__file__).resolve().parent
 _ROOT = _HERE.parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]  # bench/scheduler.py etc.
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 __all__ = ["main", "kill_plan", "omission_rows"]
 
@@ -117,18 +118,6 @@ def kill_plan(stage_sizes: Sequence[int], fractions: Sequence[float]) -> List[Li
 
 
 # ---------------------------------------------------------------------------------------------- polling
-def training_state(node, limit: int = 1, timeout: float = 10.0) -> Optional[dict]:
-    """A node's ``training`` RPC, or None if it does not answer (dead, starting, busy)."""
-    from node.net.rpc import call_http
-
-    if not node.alive or not node.info:
-        return None
-    try:
-        return call_http(node.rpc_url, "training", {"limit": limit}, timeout=timeout)
-    except Exception:  # noqa: BLE001 - a busy daemon answers next time
-        return None
-
-
 def _committed(state: Optional[dict]) -> int:
     c = state.get("committed_iteration") if state else None
     return -1 if c is None else int(c)
@@ -355,38 +344,6 @@ def _log_problems(node, keep: int = 12) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------------- swarm
-def _ancestors() -> set:
-    """This process and its parents (a ``timeout``/``nice`` wrapper mentions --workdir too)."""
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                pid = int(f.read().decode(errors="replace").rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    return pids
-
-
-def _processes_mentioning(text: str) -> List[int]:
-    """Live pids (not us or our parents) whose command line mentions ``text``: the daemons get
-    their folders, p2pd its identity path."""
-    out, mine = [], _ancestors()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in mine:
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().decode(errors="replace").rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if text in cmd and state != "Z":
-            out.append(int(entry))
-    return out
-
-
 def daemon_args(args) -> List[str]:
     total = sum(args.sizes)
     return ["--train", "--iterations", str(args.iterations), "--min-members", str(total), "--threads", "1",
@@ -398,7 +355,7 @@ def daemon_args(args) -> List[str]:
 def start_swarm(swarm, args, UserError) -> None:
     """Node 0, then the rest in batches of --start-batch; a daemon that exits while starting (on a
     loaded machine the DHT bootstrap ping can time out) is started again, up to --start-retries
-    times. LocalSwarm.start would start all at once and give up on the first failure."""
+    times. ProcessSwarm.start would start all at once and give up on the first failure."""
     retries: Dict[int, int] = {}
 
     def bring_up(nodes) -> None:
@@ -433,12 +390,12 @@ def start_swarm(swarm, args, UserError) -> None:
 
 def run_swarm(args, base: pathlib.Path) -> dict:
     from node.errors import UserError
-    from node.testing.process_swarm import LocalSwarm
+    from node.testing.process_swarm import ProcessSwarm
 
     plan = kill_plan(args.sizes, args.lose)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    swarm = LocalSwarm(sum(args.sizes), args.sizes, base_dir=base, run_id=RUN_ID, heartbeat_s=args.heartbeat,
-                       path_length=args.path_length, extra_args=daemon_args(args), env=env)
+    swarm = ProcessSwarm(sum(args.sizes), args.sizes, base_dir=base, run_id=RUN_ID, heartbeat_s=args.heartbeat,
+                         path_length=args.path_length, extra_args=daemon_args(args), env=env)
     out: dict = {"kill_plan": plan}
     t0 = time.monotonic()
     try:
@@ -488,7 +445,8 @@ def run_swarm(args, base: pathlib.Path) -> dict:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             swarm.stop()
-            left = {pid for n in swarm.nodes for pid in n.group_pids()} | set(_processes_mentioning(str(base)))
+            left = {pid for n in swarm.nodes for pid in n.group_pids()}
+            left |= set(processes_mentioning(str(base), exclude=ancestors()))
             out["leftover_processes"] = len(left)
             print(f"  swarm stopped; {len(left)} processes left", flush=True)
         finally:
@@ -521,13 +479,7 @@ def format_omission(data: dict) -> str:
             m = r["models"][n]
             cells.append(f"{m['mean_ppl']:.3f} ({m['min_ppl']:.3f}..{m['max_ppl']:.3f})  {m['mean_change_pct']:+.1f}%")
         table.append(cells)
-    widths = [max(len(t[i]) for t in table) for i in range(len(header))]
-    lines = []
-    for k, t in enumerate(table):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(t, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(table)
 
 
 def rerun_omission(out_dir: pathlib.Path) -> None:
@@ -675,7 +627,7 @@ def _main(args) -> int:
         try:
             import node.compat  # noqa: F401  the daemons' own imports (torch, hivemind)
             import torch  # noqa: F401
-            from node.testing.process_swarm import LocalSwarm  # noqa: F401
+            from node.testing.process_swarm import ProcessSwarm  # noqa: F401
         except ImportError as e:
             raise BenchError(f"cannot import the node package ({e}); run with the project's venv: "
                              ".venv/bin/python bench/faults.py (bash scripts/setup.sh creates it)") from None

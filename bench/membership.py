@@ -26,10 +26,9 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.testing.process_swarm import LocalSwarm  # noqa: E402
-from node.net.rpc import RpcCallError, call_http  # noqa: E402
+from node.testing.process_swarm import ProcessSwarm
+from node.net.rpc import RpcCallError, call_http
 
 #: Seconds between RPC polls of every view.
 POLL_S = 0.2
@@ -75,7 +74,7 @@ def group_memory_mb(pids: list[int]) -> tuple[float, float]:
 def bench(n: int, heartbeat: float, base: Path) -> dict:
     sizes = [n - 2 * (n // 3), n // 3, n // 3] if n >= 3 else [n]
     # One extra node (the "newcomer") is started after the swarm of n-1 is up.
-    swarm = LocalSwarm(n, sizes, base_dir=base / f"n{n}", run_id=f"bench{n}", heartbeat_s=heartbeat)
+    swarm = ProcessSwarm(n, sizes, base_dir=base / f"n{n}", run_id=f"bench{n}", heartbeat_s=heartbeat)
     first, newcomer = swarm.nodes[:-1], swarm.nodes[-1]
     join_ready, join_online = [], []
     try:

@@ -29,12 +29,12 @@ from itertools import combinations
 from typing import Dict, List, Optional, Sequence
 
 _HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]  # see bench/convergence.py
 
-import torch  # noqa: E402
+import torch
 
-from node.train.data import load_splits, validation_batches  # noqa: E402
-from node.eval.omission import LoadedModel, data_config_for, evaluate_kept, load_checkpoint_dir  # noqa: E402
+from node.train.data import load_splits, validation_batches
+from node.eval.omission import LoadedModel, data_config_for, evaluate_kept, load_checkpoint_dir
+from node.ops.tables import text_table
 
 __all__ = ["omission_table", "main"]
 
@@ -87,13 +87,7 @@ def format_rows(rows: Sequence[dict], names: Sequence[str]) -> str:
             m = r["models"][n]
             cells.append(f"{m['mean_ppl']:.3f} ({m['min_ppl']:.3f}..{m['max_ppl']:.3f})  {m['mean_change_pct']:+.1f}%")
         table.append(cells)
-    widths = [max(len(t[i]) for t in table) for i in range(len(header))]
-    lines = []
-    for k, t in enumerate(table):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(t, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(table)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

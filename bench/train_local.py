@@ -22,16 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from node.cli.up import LocalSwarm, build_schedule  # noqa: E402
-from node.train.data import DataConfig, load_splits  # noqa: E402
-from node.train.model import model_config  # noqa: E402
-from node.train.reference import ReferenceTrainer  # noqa: E402
-from node.train.runtime import OptimConfig  # noqa: E402
-from node.train.trainer import TrainerConfig  # noqa: E402
+from node.testing.inproc_swarm import InProcessSwarm
+from node.testing.schedules import build_schedule
+from node.train.data import DataConfig, load_splits
+from node.train.model import model_config
+from node.train.reference import ReferenceTrainer
+from node.train.runtime import OptimConfig
+from node.train.trainer import TrainerConfig
 
 DATA_NODES = 2
 MICROBATCHES = 4  # per data node per iteration
@@ -66,7 +66,7 @@ def bench_reference(name, cfg, splits, schedule, iterations, warmup, threads) ->
 
 
 async def bench_swarm(name, cfg, splits, schedule, iterations, warmup) -> Result:
-    async with LocalSwarm(schedule, cfg, splits) as swarm:
+    async with InProcessSwarm(schedule, cfg, splits) as swarm:
         stats = await swarm.train(warmup + iterations)
     measured = stats[warmup:]
     return _median_result(name, [s.seconds for s in measured], measured[0].tokens)

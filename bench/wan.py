@@ -13,7 +13,7 @@ Setup (one invocation, back to back, same model, same data):
   (:func:`scheduler.allocation.allocate` over the 20 round-robin placed nodes) decides which
   location holds which stage, the same for all three schedules.
 * **Default harness: 20 real daemons** (``skippipe node run --train`` processes started by
-  :class:`node.testing.process_swarm.LocalSwarm`, one process group each), one fresh swarm per schedule
+  :class:`node.testing.process_swarm.ProcessSwarm`, one process group each), one fresh swarm per schedule
   policy, back to back: ``--schedule-policy full`` (:func:`scheduler.baselines.full_pipeline`),
   ``random`` (:func:`scheduler.baselines.random_skip`) and ``skippipe``
   (:func:`scheduler.paths.schedule_paths`), each computed by the swarm's own coordinator. Every
@@ -22,7 +22,7 @@ Setup (one invocation, back to back, same model, same data):
   ``--schedule-cost emulation`` so the coordinator schedules for the emulated links (the daemons'
   link probes run over loopback and would otherwise make every schedule network-blind). Torch is
   limited to 1 thread per daemon. ``--in-process`` runs the older harness instead
-  (:class:`node.cli.up.LocalSwarm`: 20 nodes with real hivemind P2P + DHT in this process,
+  (:class:`node.testing.inproc_swarm.InProcessSwarm`: 20 nodes with real hivemind P2P + DHT in this process,
   schedules computed here, epochs switched on one swarm).
 * Model: tiny (6 stages x 1 layer, d_model 64, context 64, fp32 activations of 8 x 64 x 64 x 4 =
   128 KiB). It stands in for the paper's setting (4 layers per stage, d_model 1024, context 1024:
@@ -76,12 +76,9 @@ from typing import Dict, List, Sequence, Tuple
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _ROOT = _HERE.parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]  # bench/scheduler.py etc.
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-import node.compat  # noqa: E402,F401  (before hivemind)
-from node.ops.plotting import load_pyplot  # noqa: E402
+import node.compat  # noqa: F401  (before hivemind)
+from node.ops.plotting import load_pyplot
 
 __all__ = ["main", "scaled_profile", "build_setting"]
 
@@ -161,7 +158,7 @@ def build_setting(args) -> dict:
 
 async def run_live(args, setting: dict) -> Dict[str, dict]:
     """One in-process swarm; each schedule for ``warmup + iterations`` iterations, back to back."""
-    from node.cli.up import LocalSwarm
+    from node.testing.inproc_swarm import InProcessSwarm
     from node.train.data import DataConfig, load_splits
     from node.dataplane.emulation import Emulation
     from node.train.trainer import TrainerConfig
@@ -184,7 +181,7 @@ async def run_live(args, setting: dict) -> Dict[str, dict]:
     per_run = args.warmup + args.iterations
     results: Dict[str, dict] = {}
     t0 = time.perf_counter()
-    async with LocalSwarm(first, config, splits, emulation_for=emulation_for) as swarm:
+    async with InProcessSwarm(first, config, splits, emulation_for=emulation_for) as swarm:
         startup_s = time.perf_counter() - t0
         print(f"  in-process swarm of {swarm.n_nodes} nodes ready in {startup_s:.0f} s", flush=True)
         for k, name in enumerate(names):
@@ -237,7 +234,7 @@ def _behind_text(behind: dict) -> str:
 
 
 def daemon_locations(setting: dict) -> List[str]:
-    """Location of each daemon of :class:`node.testing.process_swarm.LocalSwarm` (index i holds stage
+    """Location of each daemon of :class:`node.testing.process_swarm.ProcessSwarm` (index i holds stage
     ``layout[i]``, replicas of a stage in allocation order): the allocation's node placement."""
     locs = setting["locations"]
     return [locs[v] for stage in setting["stages"] for v in stage]
@@ -285,15 +282,15 @@ def _route_stages(schedule_json: dict) -> List[List[int]]:
 def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib.Path) -> dict:
     """One fresh swarm of ``args.nodes`` daemons with ``--schedule-policy policy``; train, measure, stop."""
     from node.errors import UserError
-    from node.testing.process_swarm import LocalSwarm as DaemonSwarm
     from node.net.rpc import call_http
+    from node.testing.process_swarm import ProcessSwarm, training_state
 
     locations = daemon_locations(setting)
     stage_sizes = [len(s) for s in setting["stages"]]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    swarm = DaemonSwarm(args.nodes, stage_sizes, base_dir=base / policy, run_id=f"{RUN_ID}-{policy}",
-                        heartbeat_s=args.heartbeat, path_length=args.path_length,
-                        extra_args=_daemon_args(args, setting, policy, locations), env=env)
+    swarm = ProcessSwarm(args.nodes, stage_sizes, base_dir=base / policy, run_id=f"{RUN_ID}-{policy}",
+                         heartbeat_s=args.heartbeat, path_length=args.path_length,
+                         extra_args=_daemon_args(args, setting, policy, locations), env=env)
     total = args.warmup + args.iterations
     t0 = time.perf_counter()
     done: Dict[int, dict] = {}
@@ -311,9 +308,8 @@ def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib
             for node in swarm.nodes:
                 if node.index in done:
                     continue
-                try:
-                    st = call_http(node.rpc_url, "training", {"limit": 1000}, timeout=10.0)
-                except Exception:  # noqa: BLE001 - a busy daemon answers next time
+                st = training_state(node, limit=1000)
+                if st is None:  # a busy daemon answers next time
                     continue
                 if st.get("state") == "error":
                     raise UserError(f"training failed on daemon {node.index}: {st.get('error')}")
@@ -430,7 +426,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadlock-grace-s", type=float, default=30.0)
     p.add_argument("--iteration-timeout-s", type=float, default=300.0)
     p.add_argument("--in-process", action="store_true",
-                   help="one in-process swarm (node.cli.up.LocalSwarm) instead of 20 daemons per policy")
+                   help="one in-process swarm (node.testing.inproc_swarm.InProcessSwarm) instead of 20 daemons per policy")
     p.add_argument("--heartbeat", type=float, default=DAEMON_HEARTBEAT_S,
                    help="daemons: advert heartbeat, s (TTL = 3x). 20 daemons on 2 cores starve heartbeats at 2 s, "
                         "and a live node that looks gone costs recomputations (default %(default)s)")
@@ -468,12 +464,12 @@ def _main(argv=None) -> int:
           f"hop overhead {setting['hop_overhead_s']:.4f} s, activation {setting['activation_bytes']} B")
     print(f"  allocation: {setting['stages']} (deterministic searches: {setting['deterministic']})")
     if args.in_process:
-        harness = "in-process LocalSwarm (real hivemind P2P + DHT per node, one process), epochs switched on one swarm"
+        harness = "in-process InProcessSwarm (real hivemind P2P + DHT per node, one process), epochs switched on one swarm"
         print("  swarm: in-process harness (real hivemind P2P + DHT per node, one Python process)", flush=True)
         live = asyncio.run(run_live(args, setting))
         startup = live.pop("_startup_s")["value"]
     else:
-        harness = (f"{args.nodes} skippipe node run --train daemons per policy (node.testing.process_swarm.LocalSwarm), one fresh "
+        harness = (f"{args.nodes} skippipe node run --train daemons per policy (node.testing.process_swarm.ProcessSwarm), one fresh "
                    "swarm per --schedule-policy, schedules by the swarm's coordinator (--schedule-cost emulation)")
         print(f"  swarm: {harness}; daemon locations {daemon_locations(setting)}", flush=True)
         live = run_daemons(args, setting)

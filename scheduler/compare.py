@@ -1,6 +1,6 @@
 """Run the four variants of one setting in the same simulator: full pipeline (DT-FM), random
 skip, SkipPipe without collision awareness (no TC2) and SkipPipe. Used by ``skippipe plan`` and
-``bench/scheduler.py``."""
+``bench/schedule_search.py``."""
 
 from __future__ import annotations
 

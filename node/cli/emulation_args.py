@@ -109,7 +109,7 @@ def round_robin_location(settings: EmulationSettings, index: int) -> Optional[st
 
 
 def round_robin_emulation_for(settings: EmulationSettings) -> Callable[[int, Sequence[str]], Emulation]:
-    """``emulation_for`` for the in-process harness (``LocalSwarm``): node i at round-robin location i."""
+    """``emulation_for`` for the in-process harness (``InProcessSwarm``): node i at round-robin location i."""
     def emulation_for(index: int, members: Sequence[str]) -> Emulation:
         where = {m: round_robin_location(settings, j) for j, m in enumerate(members)}
         return settings.build(where, location=round_robin_location(settings, index))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from node.errors import UserError
+from node.ops.tables import text_table
 
 __all__ = ["register", "EvalOptions", "run_eval", "format_table"]
 
@@ -192,12 +193,7 @@ def format_table(report: Dict[str, Any]) -> str:
     if "mean" in report:
         trials = len(report["rows"]) - 1
         table.append(cells(f"mean of {trials} subsets", f"{report['omitted_stages']}/{n_stages}", report["mean"]))
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines.append("")
-    for k, r in enumerate(table):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += ["", text_table(table)]
     return "\n".join(lines)
 
 

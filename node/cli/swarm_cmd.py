@@ -141,7 +141,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from node.testing.process_swarm import LocalSwarm
+    from node.testing.process_swarm import ProcessSwarm
 
     sizes = None
     if args.stage_sizes:
@@ -150,7 +150,7 @@ def _local(args: argparse.Namespace) -> int:
         except ValueError:
             raise UserError(f"--stage-sizes wants comma-separated integers, got {args.stage_sizes!r}") from None
     base = Path(args.base_dir) if args.base_dir else Path(tempfile.mkdtemp(prefix="skippipe-local-"))
-    swarm = LocalSwarm(
+    swarm = ProcessSwarm(
         args.nodes,
         sizes,
         base_dir=base,

@@ -218,10 +218,6 @@ class AdvertStore:
                 ok = False
         return ok
 
-    async def fetch_stage(self, stage: int) -> list[FetchedAdvert]:
-        found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
-        return self._parse_adverts(found, stage)
-
     async def fetch_all(self, num_stages: int) -> dict[str, FetchedAdvert]:
         """All live adverts of stages ``0..num_stages-1``, one per peer (the freshest)."""
         futures = [

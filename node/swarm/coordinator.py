@@ -22,6 +22,7 @@ import time
 from typing import Awaitable, Callable
 
 from node.net.identity import NodeIdentity, verify_rsa_signature
+from node.swarm.states import NodeState
 from node.swarm.view import PeerEntry, SwarmView
 from protocol.messages import ScheduleEpoch
 from scheduler.baselines import full_pipeline, random_skip
@@ -309,11 +310,11 @@ class Coordinator:
         if not _better(epoch, self.current):
             return "stale"
         entry = self.view.get(epoch.coordinator)
-        if entry is None or entry.state != "ONLINE" or 0 not in entry.advert.stages:
+        if entry is None or entry.state != NodeState.ONLINE or 0 not in entry.advert.stages:
             return self._park(epoch, "coordinator is not a known ONLINE data node")
         if not verify_rsa_signature(entry.public_key, epoch.signing_payload(), epoch.signature):
             return "bad signature"
-        unknown = [m for m in epoch.members if self.view.get(m) is None or self.view.get(m).state == "OFFLINE"]
+        unknown = [m for m in epoch.members if self.view.get(m) is None or self.view.get(m).state == NodeState.OFFLINE]
         if unknown:
             return self._park(epoch, f"unknown members {unknown[:3]}")
         try:

@@ -140,11 +140,6 @@ class GossipService:
             return set()
         return {p.to_base58() for p in self._host.get_network().connections.keys()}
 
-    def mesh_peers(self) -> set[str]:
-        if self._pubsub is None:
-            return set()
-        return {p.to_base58() for p in self._pubsub.peers.keys()}
-
     async def stop(self) -> None:
         """Flush pending messages, close the host and wait for the trio run to end."""
         if self._commands is None:

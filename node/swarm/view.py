@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from node.swarm.states import NodeState
 from protocol.messages import PEER_STATE_ORDER, LinkReport, MembershipEvent, StageAdvert
 
 __all__ = ["PeerEntry", "LinkStat", "SwarmView", "STATES"]
@@ -52,7 +53,7 @@ class PeerEntry:
     @property
     def state(self) -> str:
         if self.left_at is not None and self.left_at >= self.advert.timestamp:
-            return "OFFLINE"
+            return NodeState.OFFLINE
         return self.advert.state
 
     def to_json(self) -> dict:
@@ -157,10 +158,10 @@ class SwarmView:
     # ------------------------------------------------------------------ queries
     def alive(self) -> list[PeerEntry]:
         """Peers not known to have left, sorted by peer id."""
-        return [self.peers[p] for p in sorted(self.peers) if self.peers[p].state != "OFFLINE"]
+        return [self.peers[p] for p in sorted(self.peers) if self.peers[p].state != NodeState.OFFLINE]
 
     def online(self) -> list[PeerEntry]:
-        return [e for e in self.alive() if e.state == "ONLINE"]
+        return [e for e in self.alive() if e.state == NodeState.ONLINE]
 
     def get(self, peer_id: str) -> PeerEntry | None:
         return self.peers.get(peer_id)
@@ -174,14 +175,6 @@ class SwarmView:
     def link(self, src: str, dst: str) -> LinkStat | None:
         """Best knowledge of src->dst: src's own report, else dst's report of the reverse link."""
         return self.links.get(src, {}).get(dst) or self.links.get(dst, {}).get(src)
-
-    def stage_counts(self, num_stages: int) -> list[int]:
-        counts = [0] * num_stages
-        for entry in self.online():
-            for s in entry.advert.stages:
-                if 0 <= s < num_stages:
-                    counts[s] += 1
-        return counts
 
     def to_json(self) -> dict:
         return {

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
-from node.testing.process_swarm import LocalNode, LocalSwarm
+from node.testing.process_swarm import ProcessNode, ProcessSwarm
 
 __all__ = ["NetnsLab", "NamespaceSwarm", "netns_unavailable", "run_in_netns"]
 
@@ -157,10 +157,10 @@ def run_in_netns(namespace: str, fn: Callable[..., T], *args, **kwargs) -> T:
     return result["value"]
 
 
-class NamespaceSwarm(LocalSwarm):
-    """A :class:`LocalSwarm` whose node ``i`` runs in the lab's namespace ``i``, on the lab's address ``i``.
+class NamespaceSwarm(ProcessSwarm):
+    """A :class:`ProcessSwarm` whose node ``i`` runs in the lab's namespace ``i``, on the lab's address ``i``.
 
-    Nodes added later (:meth:`LocalSwarm.add_node`) take the next namespaces, so make the lab with
+    Nodes added later (:meth:`ProcessSwarm.add_node`) take the next namespaces, so make the lab with
     room for them.
     """
 
@@ -168,7 +168,7 @@ class NamespaceSwarm(LocalSwarm):
         super().__init__(n_nodes, stage_sizes, **kwargs)
         self.lab = lab
 
-    def command(self, node: LocalNode, initial_peers: Sequence[str] = ()) -> list[str]:
+    def command(self, node: ProcessNode, initial_peers: Sequence[str] = ()) -> list[str]:
         if node.index >= self.lab.hosts:
             raise ValueError(f"node {node.index} has no namespace: the lab has {self.lab.hosts} hosts")
         args = super().command(node, initial_peers)
@@ -176,7 +176,7 @@ class NamespaceSwarm(LocalSwarm):
         args[at + 1] = f"/ip4/{self.lab.address(node.index)}/tcp/0"
         return ["ip", "netns", "exec", self.lab.namespace(node.index), *args]
 
-    def namespace_of(self, node: LocalNode) -> str:
+    def namespace_of(self, node: ProcessNode) -> str:
         return self.lab.namespace(node.index)
 
 

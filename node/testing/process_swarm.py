@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from node.errors import UserError
+from node.net.rpc import call_http
+from node.testing.procs import process_group_members
 
-__all__ = ["LocalNode", "LocalSwarm", "stage_layout", "process_group_members"]
+__all__ = ["ProcessNode", "ProcessSwarm", "stage_layout", "process_group_members", "training_state"]
 
 #: Seconds a node gets to come up (p2pd + DHT + gossip on a loaded 2-core box).
 DEFAULT_START_TIMEOUT_S = 90.0
@@ -43,26 +45,25 @@ def stage_layout(stage_sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def process_group_members(pgid: int) -> list[int]:
-    """Live pids in process group ``pgid`` (from /proc; zombies excluded)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-            rest = stat[stat.rindex(")") + 2 :].split()
-            state, pg = rest[0], int(rest[2])
-        except (OSError, ValueError, IndexError):
-            continue
-        if pg == pgid and state != "Z":
-            pids.append(int(entry))
-    return pids
+def training_state(node: "ProcessNode", limit: int | None = None, *, since: int | None = None,
+                   timeout: float = 10.0) -> dict | None:
+    """The node's ``training`` RPC (its last ``limit`` iterations, or those after ``since``), or None
+    if it does not answer right now: dead, still starting, or too busy."""
+    if not node.alive or not node.info:
+        return None
+    params = {}
+    if limit is not None:
+        params["limit"] = limit
+    if since is not None:
+        params["since"] = since
+    try:
+        return call_http(node.rpc_url, "training", params, timeout=timeout)
+    except Exception:  # noqa: BLE001 - a busy daemon answers next time
+        return None
 
 
 @dataclass
-class LocalNode:
+class ProcessNode:
     """One daemon process of a local swarm."""
 
     index: int
@@ -106,7 +107,7 @@ class LocalNode:
         return process_group_members(self.proc.pid) if self.proc is not None else []
 
 
-class LocalSwarm:
+class ProcessSwarm:
     """N daemons on loopback; node 0 founds the swarm, the rest join through it.
 
     ``extra_args`` is appended to every ``skippipe node run`` (a list, or a function of the node
@@ -142,11 +143,11 @@ class LocalSwarm:
         self.env = dict(os.environ if env is None else env)
         self._extra = extra_args
         self.nodes = [
-            LocalNode(index=i, stage=layout[i], workdir=self.base_dir / f"node{i}", args=[]) for i in range(n_nodes)
+            ProcessNode(index=i, stage=layout[i], workdir=self.base_dir / f"node{i}", args=[]) for i in range(n_nodes)
         ]
 
     # ------------------------------------------------------------------ commands
-    def command(self, node: LocalNode, initial_peers: Sequence[str] = ()) -> list[str]:
+    def command(self, node: ProcessNode, initial_peers: Sequence[str] = ()) -> list[str]:
         args = [
             self.python, "-m", "node", "node", "run",
             "--run-id", self.run_id,
@@ -182,7 +183,7 @@ class LocalSwarm:
             self.stop()
             raise
 
-    def spawn(self, node: LocalNode, initial_peers: Sequence[str] | None = None) -> None:
+    def spawn(self, node: ProcessNode, initial_peers: Sequence[str] | None = None) -> None:
         node.workdir.mkdir(parents=True, exist_ok=True)
         node.ready_file.unlink(missing_ok=True)
         node.info = {}
@@ -202,12 +203,12 @@ class LocalSwarm:
         finally:
             log.close()
 
-    def add_node(self, stage: int | None = None, timeout: float = DEFAULT_START_TIMEOUT_S, wait: bool = True) -> LocalNode:
+    def add_node(self, stage: int | None = None, timeout: float = DEFAULT_START_TIMEOUT_S, wait: bool = True) -> ProcessNode:
         """Start one more daemon that joins the running swarm (mid-training joins, chaos tests).
 
         ``stage=None`` joins with ``--auto``; its stage is then read from its ready file."""
         index = len(self.nodes)
-        node = LocalNode(index=index, stage=-1 if stage is None else stage, workdir=self.base_dir / f"node{index}",
+        node = ProcessNode(index=index, stage=-1 if stage is None else stage, workdir=self.base_dir / f"node{index}",
                          args=[], auto=stage is None)
         self.nodes.append(node)
         self.spawn(node, [self._any_live_maddr(node)])
@@ -215,13 +216,13 @@ class LocalSwarm:
             self.wait_ready([node], timeout)
         return node
 
-    def _any_live_maddr(self, joining: LocalNode) -> str:
+    def _any_live_maddr(self, joining: ProcessNode) -> str:
         for node in self.nodes:
             if node is not joining and node.alive and node.info:
                 return node.maddr
         raise UserError("no live node to join through")
 
-    def wait_ready(self, nodes: Sequence[LocalNode], timeout: float = DEFAULT_START_TIMEOUT_S) -> None:
+    def wait_ready(self, nodes: Sequence[ProcessNode], timeout: float = DEFAULT_START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         pending = list(nodes)
         while pending:
@@ -241,7 +242,7 @@ class LocalSwarm:
                 raise UserError(f"nodes {[n.index for n in pending]} not ready after {timeout:.0f} s")
             time.sleep(_POLL_S)
 
-    def last_error(self, node: LocalNode) -> str:
+    def last_error(self, node: ProcessNode) -> str:
         try:
             lines = node.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
@@ -310,7 +311,7 @@ class LocalSwarm:
             if node.proc is not None:
                 self._reap_group(node, 2.0)
 
-    def _reap_group(self, node: LocalNode, wait_s: float) -> None:
+    def _reap_group(self, node: ProcessNode, wait_s: float) -> None:
         """Give the group's remaining members ``wait_s`` to exit, then SIGKILL the group."""
         deadline = time.monotonic() + wait_s
         while node.group_pids() and time.monotonic() < deadline:
@@ -324,7 +325,7 @@ class LocalSwarm:
             node.proc.kill()
             node.proc.wait()
 
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> "ProcessSwarm":
         self.start()
         return self
 

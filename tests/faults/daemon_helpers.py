@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable
 
-from node.testing.process_swarm import LocalNode, LocalSwarm
-from node.net.rpc import call_http
+from node.testing.process_swarm import ProcessSwarm, training_state
 
 __all__ = ["training_state", "wait_for", "train_args"]
 
 
-def training_state(node: LocalNode, limit: int = 1000) -> Optional[dict]:
-    """The node's ``training`` RPC (None if it does not answer: dead, starting, or busy)."""
-    if not node.alive or not node.info:
-        return None
-    try:
-        return call_http(node.rpc_url, "training", {"limit": limit}, timeout=10)
-    except Exception:  # noqa: BLE001 - a node that cannot answer right now
-        return None
-
-
-def wait_for(swarm: LocalSwarm, nodes: Iterable[int], predicate: Callable[[dict], bool], timeout: float,
+def wait_for(swarm: ProcessSwarm, nodes: Iterable[int], predicate: Callable[[dict], bool], timeout: float,
              what: str, poll_s: float = 1.0) -> Dict[int, dict]:
     """Poll until ``predicate(state)`` holds for every node index in ``nodes``; fail on a training
     error or a node that exits (with its last log line), or after ``timeout`` seconds."""
@@ -32,7 +21,7 @@ def wait_for(swarm: LocalSwarm, nodes: Iterable[int], predicate: Callable[[dict]
         for i in want:
             node = swarm.nodes[i]
             assert node.alive, f"node {i} exited while waiting for {what}: {swarm.last_error(node)}"
-            s = training_state(node)
+            s = training_state(node, limit=1000)
             if s is not None:
                 states[i] = s
                 assert s.get("state") != "error", f"node {i} failed: {s.get('error')}"

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from node.testing.process_swarm import LocalSwarm
+from node.testing.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import train_args, training_state, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -58,7 +58,7 @@ def test_kill_half_the_stage_nodes_then_add_two(tmp_path):
     moments = sorted(rng.sample(range(3, 30), KILLS))
     delays = [rng.uniform(0.3, 3.0) for _ in victims]
     plan = list(zip(moments, victims, delays))
-    swarm = LocalSwarm(
+    swarm = ProcessSwarm(
         sum(SIZES), SIZES, base_dir=tmp_path / "swarm", run_id="chaos", heartbeat_s=2.0, path_length=4,
         extra_args=lambda i: train_args(ITERATIONS, sum(SIZES), "--drain-timeout", "5"))
     log = []

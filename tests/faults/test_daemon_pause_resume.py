@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from node.cli.swarm_cmd import fetch_status, format_status
-from node.testing.process_swarm import LocalSwarm
+from node.testing.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -31,7 +31,7 @@ def test_missing_stage_pauses_then_a_checkpoint_resumes_it(tmp_path):
         extra = ["--checkpoint-dir", str(ckpt), "--node-name", name, "--checkpoint-every", "1"]
         return train_args(ITERATIONS, 5, *extra) + (["--resume"] if i == 5 else [])
 
-    swarm = LocalSwarm(5, [2, 1, 1, 1], base_dir=tmp_path / "swarm", run_id="pause", heartbeat_s=2.0,
+    swarm = ProcessSwarm(5, [2, 1, 1, 1], base_dir=tmp_path / "swarm", run_id="pause", heartbeat_s=2.0,
                        extra_args=args)
     try:
         swarm.start(timeout=240)

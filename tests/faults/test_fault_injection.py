@@ -16,7 +16,8 @@ import math
 
 import pytest
 
-from node.cli.up import LocalSwarm, build_schedule
+from node.testing.inproc_swarm import InProcessSwarm
+from node.testing.schedules import build_schedule
 from node.train.data import DataConfig
 from node.testing.faults import FaultInjector, parse_fault
 from node.train.model import model_config
@@ -55,7 +56,7 @@ async def test_training_survives_injected_fault(case, splits):
     victim, spec = CASES[case]
     injectors = {victim: FaultInjector([parse_fault(spec)])}
     rule = injectors[victim].rules[0]
-    async with LocalSwarm(SCHEDULE, _config(f"fault-{case}"), splits,
+    async with InProcessSwarm(SCHEDULE, _config(f"fault-{case}"), splits,
                           faults_for=lambda i: injectors.get(i)) as swarm:
         await swarm.train(ITERATIONS)
         nodes = swarm.nodes
@@ -96,7 +97,7 @@ async def test_a_stage_with_no_live_replica_is_skipped_then_training_pauses(spli
                  7: FaultInjector([parse_fault("kill@iteration=1,hop=3,direction=forward")])}
     import asyncio
 
-    async with LocalSwarm(SCHEDULE, _config("fault-pause"), splits, faults_for=lambda i: injectors.get(i)) as swarm:
+    async with InProcessSwarm(SCHEDULE, _config("fault-pause"), splits, faults_for=lambda i: injectors.get(i)) as swarm:
         task = asyncio.create_task(swarm.train(ITERATIONS))
         for _ in range(600):
             if all(n.paused_reason for n in swarm.nodes if not n.killed):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from node.testing.process_swarm import LocalSwarm
+from node.testing.process_swarm import ProcessSwarm
 from tests.node.helpers import DEADLINE_S, poll, rpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -57,7 +57,7 @@ def browser_path() -> str:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    s = LocalSwarm(3, (2, 1), base_dir=tmp_path_factory.mktemp("dash"), run_id="dash-run", heartbeat_s=1.0)
+    s = ProcessSwarm(3, (2, 1), base_dir=tmp_path_factory.mktemp("dash"), run_id="dash-run", heartbeat_s=1.0)
     s.start()
     try:
         yield s

@@ -1,6 +1,6 @@
 """A hostile peer sends garbage to every node's data plane for 30 s while a small swarm trains.
 
-In-process harness (:class:`node.cli.up.LocalSwarm`: real hivemind P2P and DHT per node, real
+In-process harness (:class:`node.testing.inproc_swarm.InProcessSwarm`: real hivemind P2P and DHT per node, real
 torch): 3 stages, one node each, full-length paths. An extra hivemind peer, connected to every
 node but not a member, writes to each node's data-plane handler, round after round, random bytes,
 broken msgpack, a length header promising a terabyte, and activations that look valid but carry
@@ -25,7 +25,8 @@ import time
 
 import pytest
 
-from node.cli.up import LocalSwarm, build_schedule
+from node.testing.inproc_swarm import InProcessSwarm
+from node.testing.schedules import build_schedule
 from node.train.data import DataConfig
 from node.train.model import model_config
 from node.train.runtime import OptimConfig
@@ -103,7 +104,7 @@ async def _garbage(hostile: HostilePeer, nodes, hidden_shape, stop_at: float) ->
 async def test_training_goes_on_while_a_peer_sends_garbage_for_30_seconds(splits, caplog):
     caplog.set_level(logging.WARNING, logger="node.dataplane.transport")
     cfg = _config("hostile-garbage")
-    async with LocalSwarm(SCHEDULE, cfg, splits) as swarm:
+    async with InProcessSwarm(SCHEDULE, cfg, splits) as swarm:
         nodes = swarm.nodes
         assert all(n.dataplane.guard is not None for n in nodes), "the trainer built no MicrobatchGuard"
         hostile = await HostilePeer.create(cfg.run_id)

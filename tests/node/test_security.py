@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.testing.process_swarm import LocalNode, LocalSwarm
+from node.testing.process_swarm import ProcessNode, ProcessSwarm
 from node.net.rpc import RpcCallError
 from tests.node.helpers import DEADLINE_S, error_lines, poll, rpc, run_cli
 
@@ -65,11 +65,11 @@ def swarm(tmp_path_factory, keys):
     def extra(index: int) -> list[str]:
         return intruder_args.get(index, member_key) + RATE_ARGS
 
-    s = LocalSwarm(MEMBERS, STAGE_SIZES, base_dir=base, run_id=RUN_ID, heartbeat_s=HEARTBEAT_S, extra_args=extra)
+    s = ProcessSwarm(MEMBERS, STAGE_SIZES, base_dir=base, run_id=RUN_ID, heartbeat_s=HEARTBEAT_S, extra_args=extra)
     s.start()
     try:
         for index in intruder_args:  # the intruders hold stage 1, next to a real member
-            s.nodes.append(LocalNode(index=index, stage=1, workdir=base / f"intruder{index}", args=[]))
+            s.nodes.append(ProcessNode(index=index, stage=1, workdir=base / f"intruder{index}", args=[]))
             s.spawn(s.nodes[-1])
         s.wait_ready(s.nodes[MEMBERS:])
         yield s

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from node.testing.process_swarm import LocalSwarm, process_group_members
+from node.testing.process_swarm import ProcessSwarm
+from node.testing.procs import process_group_members
 from tests.node.helpers import DEADLINE_S, error_lines, poll, rpc, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -29,7 +30,7 @@ CHURN_INDEX = 3
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    s = LocalSwarm(N_NODES, STAGE_SIZES, base_dir=tmp_path_factory.mktemp("swarm"), run_id=RUN_ID, heartbeat_s=HEARTBEAT_S)
+    s = ProcessSwarm(N_NODES, STAGE_SIZES, base_dir=tmp_path_factory.mktemp("swarm"), run_id=RUN_ID, heartbeat_s=HEARTBEAT_S)
     s.start()
     groups = {}
     try:

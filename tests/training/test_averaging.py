@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from node.train.averaging import AveragingConfig, StageAverager, groupmates_went_on
-from node.cli.up import LocalSwarm, build_schedule
+from node.testing.inproc_swarm import InProcessSwarm
+from node.testing.schedules import build_schedule
 from node.compat import import_hivemind
 from node.train.model import model_config
 from node.train.runtime import OptimConfig
@@ -120,7 +121,7 @@ async def test_view_flap_costs_a_resync_not_the_matchmaking_timeout(splits):
     schedule = build_schedule(6, data_nodes=2, replicas=[1] * 5, path_length=6, microbatches=2, memory=2)
     cfg = TrainerConfig(run_id="flap", model=model_config("tiny"), optim=OptimConfig(lr=3e-3),
                         data=DataConfig(microbatch_size=4), averaging=NEVER)
-    async with LocalSwarm(schedule, cfg, splits) as swarm:
+    async with InProcessSwarm(schedule, cfg, splits) as swarm:
         node0, node1 = swarm.nodes[0], swarm.nodes[1]
         hidden = node1.peer_id
         node0._alive = lambda p: swarm.is_alive(p) and not (p == hidden and node0.current_iteration == 1)

@@ -17,7 +17,8 @@ import torch
 from node.train.checkpoint import CheckpointStore
 from node.cli.swarm_cmd import fetch_status, format_status
 from node.train.data import DataConfig
-from node.testing.process_swarm import LocalSwarm
+from node.testing.process_swarm import ProcessSwarm, training_state
+from node.testing.procs import processes_mentioning
 from node.train.model import model_config
 from node.train.reference import ReferenceTrainer
 from node.net.rpc import call_http
@@ -30,34 +31,15 @@ pytestmark = pytest.mark.timeout(420)
 ITERATIONS = 3
 
 
-def _processes_mentioning(text: str) -> list:
-    """Live pids whose command line mentions ``text`` (p2pd gets the identity path, daemons the dirs)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().decode(errors="replace").rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if text in cmd and state != "Z":
-            out.append(int(entry))
-    return out
-
-
 def _wait_all(swarm, predicate, timeout):
     deadline = time.monotonic() + timeout
     states = {}
     while time.monotonic() < deadline:
         for n in swarm.nodes:
             assert n.alive, f"node {n.index} exited: {swarm.last_error(n)}"
-            try:
-                states[n.index] = call_http(n.rpc_url, "training", {"limit": 1}, timeout=10)
-            except Exception:
-                pass
+            st = training_state(n, limit=1)
+            if st is not None:
+                states[n.index] = st
         errors = {i: s["error"] for i, s in states.items() if s.get("state") == "error"}
         assert not errors, errors
         if len(states) == len(swarm.nodes) and all(predicate(s) for s in states.values()):
@@ -71,7 +53,7 @@ def test_node_run_train_full_path_matches_reference(tmp_path, splits):
     every node's parameters equal the single-process reference trained on the same schedule."""
     ckpt = tmp_path / "ckpt"
     sizes = [2, 1, 1, 1]
-    swarm = LocalSwarm(
+    swarm = ProcessSwarm(
         5, sizes, base_dir=tmp_path / "swarm", run_id="refcheck", heartbeat_s=1.0,
         extra_args=lambda i: ["--train", "--iterations", str(ITERATIONS), "--min-members", "5", "--threads", "1",
                               "--checkpoint-dir", str(ckpt), "--node-name", f"node{i}", "--microbatches", "2",
@@ -97,7 +79,7 @@ def test_node_run_train_full_path_matches_reference(tmp_path, splits):
         assert f"training: done on epoch {sched['epoch']}, stage 0, iteration {ITERATIONS}/{ITERATIONS}" in shown
     finally:
         swarm.stop()
-    assert not _processes_mentioning(str(tmp_path)), "processes of the swarm outlived it"
+    assert not processes_mentioning(str(tmp_path)), "processes of the swarm outlived it"
     if failed_rounds:
         pytest.xfail(f"averaging round(s) failed (node, iteration): {failed_rounds}; replicas stepped on local "
                      "gradients, so the reference cannot match")
@@ -136,7 +118,7 @@ def test_up_on_daemons_end_to_end(tmp_path):
     assert [h["iteration"] for h in history] == [0, 1, 2, 3]
     assert all(h["active_nodes"] == 9 for h in history)
     assert (out / "loss.png").stat().st_size > 0
-    assert not _processes_mentioning(str(tmp_path)), "processes of the swarm outlived skippipe up"
+    assert not processes_mentioning(str(tmp_path)), "processes of the swarm outlived skippipe up"
 
 
 def test_training_summaries_name_what_differs():
@@ -149,7 +131,7 @@ def test_training_summaries_name_what_differs():
 
 def test_members_with_different_hyper_parameters_stop_with_a_clear_error(tmp_path):
     """3 daemons, one with another --lr: nobody trains; the error names the differing field."""
-    swarm = LocalSwarm(
+    swarm = ProcessSwarm(
         3, [1, 1, 1], base_dir=tmp_path / "swarm", run_id="mismatch", heartbeat_s=1.0,
         extra_args=lambda i: ["--train", "--iterations", "2", "--min-members", "3", "--threads", "1",
                               "--agreement-timeout", "120"] + (["--lr", "0.005"] if i == 2 else []))
@@ -159,10 +141,9 @@ def test_members_with_different_hyper_parameters_stop_with_a_clear_error(tmp_pat
         states = {}
         while time.monotonic() < deadline and not any(s.get("state") == "error" for s in states.values()):
             for n in swarm.nodes:
-                try:
-                    states[n.index] = call_http(n.rpc_url, "training", {}, timeout=10)
-                except Exception:
-                    pass
+                st = training_state(n)
+                if st is not None:
+                    states[n.index] = st
             time.sleep(1.0)
         errors = [s["error"] for s in states.values() if s.get("state") == "error"]
         assert errors, f"no node reported the mismatch: {[(i, s.get('state')) for i, s in states.items()]}"
@@ -170,4 +151,4 @@ def test_members_with_different_hyper_parameters_stop_with_a_clear_error(tmp_pat
         assert all(s.get("committed_iteration", -1) in (-1, None) and not s["history"] for s in states.values())
     finally:
         swarm.stop()
-    assert not _processes_mentioning(str(tmp_path))
+    assert not processes_mentioning(str(tmp_path))

@@ -1,6 +1,6 @@
 """Swarm training on real hivemind P2P/DHT instances on 127.0.0.1 against the single-process reference.
 
-Each test builds an in-process :class:`node.cli.up.LocalSwarm` (one p2pd + DHT per node, a
+Each test builds an in-process :class:`node.testing.inproc_swarm.InProcessSwarm` (one p2pd + DHT per node, a
 bootstrap peer, real libp2p streams, real DecentralizedAverager) with a hand-built schedule.
 """
 
@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from node.cli.up import LocalSwarm, build_schedule
+from node.testing.inproc_swarm import InProcessSwarm
+from node.testing.schedules import build_schedule
 from node.train.data import DataConfig, validation_batches
 from node.train.model import model_config
 from node.train.reference import ReferenceTrainer, evaluate_loss
@@ -53,7 +54,7 @@ async def test_full_path_swarm_matches_single_process_training(splits):
     cfg = _config("equiv")
     reference = ReferenceTrainer(cfg.model, cfg.optim, cfg.data, splits, schedule, seed=cfg.seed)
     ref_losses = [reference.train_iteration() for _ in range(iterations)]
-    async with LocalSwarm(schedule, cfg, splits) as swarm:
+    async with InProcessSwarm(schedule, cfg, splits) as swarm:
         stats = await swarm.train(iterations)
         diff = _max_diff(swarm, reference)
         peaks = [n.runtime.peak_in_flight for n in swarm.nodes]
@@ -74,7 +75,7 @@ async def test_skipping_swarm_lowers_validation_loss(splits):
                               memory=2, reorder=True)
     cfg = _config("skip")
     val = validation_batches(splits, cfg.data, 8)
-    async with LocalSwarm(schedule, cfg, splits) as swarm:
+    async with InProcessSwarm(schedule, cfg, splits) as swarm:
         before = evaluate_loss(swarm.stage_modules(), val)
         stats = await swarm.train(iterations)
         after = evaluate_loss(swarm.stage_modules(), val)
@@ -95,9 +96,9 @@ async def test_resume_continues_from_the_last_committed_step(splits, tmp_path):
     reference = ReferenceTrainer(cfg.model, cfg.optim, cfg.data, splits, schedule, seed=cfg.seed)
     for _ in range(5):
         reference.train_iteration()
-    async with LocalSwarm(schedule, cfg, splits) as swarm:
+    async with InProcessSwarm(schedule, cfg, splits) as swarm:
         await swarm.train(3)  # checkpoint at 2 (every K) and 3 (clean shutdown)
-    async with LocalSwarm(schedule, dataclasses.replace(cfg, resume=True), splits) as swarm:
+    async with InProcessSwarm(schedule, dataclasses.replace(cfg, resume=True), splits) as swarm:
         assert swarm.start_iteration == 3
         stats = await swarm.train(5)
         assert [s.iteration for s in stats] == [3, 4]
@@ -115,7 +116,7 @@ async def test_opposite_reordered_paths_with_one_memory_slot_finish_and_match_re
     reference = ReferenceTrainer(cfg.model, cfg.optim, cfg.data, splits, schedule, seed=cfg.seed)
     for _ in range(3):
         reference.train_iteration()
-    async with LocalSwarm(schedule, cfg, splits) as swarm:
+    async with InProcessSwarm(schedule, cfg, splits) as swarm:
         stats = await swarm.train(3)
         diff = _max_diff(swarm, reference)
     assert [s.microbatches for s in stats] == [4, 4, 4]

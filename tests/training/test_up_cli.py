@@ -5,7 +5,7 @@ import json
 import pytest
 
 from node.cli import main
-from node.cli.up import UpOptions, run_up
+from node.cli.up_runners import UpOptions, run_up
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -55,7 +55,7 @@ def test_a_fresh_up_run_measures_its_start_from_the_initial_weights_not_an_earli
     import torch
 
     from node.train.checkpoint import CheckpointStore
-    from node.cli.up import RUN_ID, _stage_modules_from_checkpoints
+    from node.cli.up_runners import RUN_ID, _stage_modules_from_checkpoints
     from node.train.model import build_stage, model_config
     from node.train.runtime import OptimConfig, StageRuntime
 

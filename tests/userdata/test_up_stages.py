@@ -5,7 +5,7 @@ import json
 import pytest
 
 from node.cli import main
-from node.cli.up import UpOptions, _layout, run_up
+from node.cli.up_runners import UpOptions, _layout, run_up
 
 pytestmark = pytest.mark.timeout(400)
 

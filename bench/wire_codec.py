@@ -6,28 +6,21 @@ bottleneck next to a home uplink. This measures a full round trip as the daemon 
 receiver) for 4 MiB and 32 MiB fp32 activations, next to ``torch.save``/``torch.load`` through
 ``BytesIO`` and ``pickle`` of the same tensor, and prints medians of a few repeats.
 
-Run: ``python bench/protocol.py [--repeats N]``.
+Run: ``python bench/wire_codec.py [--repeats N]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import pathlib
 import pickle
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
-# This file is called protocol.py: drop its own folder from sys.path so that ``import protocol``
-# finds the package, not this script.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+import torch
 
-import torch  # noqa: E402
-
-from protocol import ActivationMessage, MicrobatchId, TensorFrame, decode, encode  # noqa: E402
+from protocol import ActivationMessage, MicrobatchId, TensorFrame, decode, encode
 
 __all__ = ["main"]
 

@@ -5,7 +5,7 @@ random skip, SkipPipe without TC2, SkipPipe), the SkipPipe / full ratio, SkipPip
 lower bound (scheduler/bounds.py), the scheduler wall and CPU time (allocation + SkipPipe path
 search) against its target, plus how long one simulation of the iteration takes.
 
-    python bench/scheduler.py [--nodes 20,40,100,200] [--seed 0] [--profile FILE]
+    python bench/schedule_search.py [--nodes 20,40,100,200] [--seed 0] [--profile FILE]
 
 Targets: SkipPipe / full <= 0.40 at 20 nodes; scheduling <= 2 s at 20 nodes, <= 10 s at 200
 nodes and <= 60 s at 1,000 nodes on 2 cores. The searches are bounded by work (deterministic
@@ -17,16 +17,13 @@ skip), 6 microbatches x 8 samples per data node, memory 3.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scheduler.allocation import allocate  # noqa: E402
-from scheduler.compare import compare_variants  # noqa: E402
-from scheduler.cost import LinkProfile, build_cost, nodes_round_robin  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.allocation import allocate
+from scheduler.compare import compare_variants
+from scheduler.cost import LinkProfile, build_cost, nodes_round_robin
+from scheduler.simulator import simulate
 
 DEFAULT_PROFILE = "/work/shared/profiles/geo-distributed-12.json"
 #: Scheduling time targets (allocation + paths) per node count, in seconds; reported, not enforced.

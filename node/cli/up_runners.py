@@ -1,0 +1,399 @@
+"""The two runners of ``skippipe up``: real daemons (the default) and the in-process harness.
+
+:func:`run_up_swarm` starts one ``skippipe node run --train`` process per node on 127.0.0.1
+(:class:`node.testing.process_swarm.ProcessSwarm`) and reads progress from the data nodes'
+``training`` RPC; :func:`run_up` (``--in-process``) trains on
+:class:`node.testing.inproc_swarm.InProcessSwarm` with a hand-built or loopback-scheduled schedule
+(:mod:`node.testing.schedules`). Both write a progress line per iteration, ``loss.png``,
+``history.json`` and ``summary.json`` under ``--out`` and return the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import signal
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Dict, List, Optional
+
+from node.cli.emulation_args import emulation_node_args, round_robin_emulation_for
+from node.errors import UserError
+from node.ops.plotting import load_pyplot
+from node.testing.inproc_swarm import InProcessSwarm
+from node.testing.schedules import build_schedule, scheduler_schedule
+
+__all__ = ["UpOptions", "run_up", "run_up_swarm", "RUN_ID", "NODES_DIR"]
+
+logger = logging.getLogger(__name__)
+
+#: Defaults of ``skippipe up``: 2 data nodes + stages 1..5 of the tiny model, two replicas for
+#: stages 1 and 2, paths of 4 stages out of 6 (skip ratio 1/3); about a minute on 2 CPU cores.
+DEFAULT_ITERATIONS = 40
+DEFAULT_DATA_NODES = 2
+DEFAULT_REPLICAS = "2,2,1,1,1"
+DEFAULT_PATH_LENGTH = 4
+DEFAULT_MICROBATCHES = 4
+DEFAULT_MEMORY = 2
+DEFAULT_LR = 3e-3
+#: Validation batches used for the before/after loss of the full model.
+VAL_BATCHES = 8
+
+
+@dataclass
+class UpOptions:
+    iterations: int = DEFAULT_ITERATIONS
+    out: str = "skippipe-up"
+    model: str = "tiny"
+    corpus: str = "shakespeare"
+    data_nodes: int = DEFAULT_DATA_NODES
+    replicas: str = DEFAULT_REPLICAS
+    path_length: int = DEFAULT_PATH_LENGTH
+    microbatches: int = DEFAULT_MICROBATCHES
+    microbatch_size: int = 8
+    memory: int = DEFAULT_MEMORY
+    lr: float = DEFAULT_LR
+    seed: int = 0
+    checkpoint_every: int = 10
+    resume: bool = False
+    reorder: bool = True
+    scheduler: str = "skippipe"  # "skippipe" (scheduler.paths) or "builtin" (build_schedule)
+    quiet: bool = False
+    in_process: bool = False  # the in-process harness instead of one daemon process per node
+    heartbeat_s: float = 2.0  # daemons' heartbeat (daemon mode)
+    start_timeout_s: float = 480.0  # daemon mode: until the first iteration is committed
+    stall_timeout_s: float = 240.0  # daemon mode: longest wait for the next iteration
+    emulation: Optional[object] = None  # node.cli.emulation_args.EmulationSettings; None = no WAN/compute emulation
+    # the model/data flags node run takes (node.cli.train_args.add_model_data_arguments) and --num-stages
+    num_stages: Optional[int] = None
+    model_config: Optional[str] = None
+    text_field: str = "text"
+    tokenizer: Optional[str] = None
+
+
+def _model_and_data(opts: UpOptions):
+    """``(ModelConfig, DataConfig)`` exactly as every ``node run --train`` of this swarm resolves them
+    (the tokenizer is trained/cached here once, before the daemons start), with ``--num-stages``."""
+    from node.cli.train_args import model_and_data_from_args
+
+    if opts.num_stages is not None and opts.num_stages < 2:
+        raise UserError(f"--num-stages must be at least 2, got {opts.num_stages}")
+    ns = argparse.Namespace(model=opts.model, model_config=opts.model_config, corpus=opts.corpus,
+                            text_field=opts.text_field, tokenizer=opts.tokenizer, microbatch_size=opts.microbatch_size,
+                            seed=opts.seed, seq_len=None, num_stages=opts.num_stages)
+    mcfg, data_cfg = model_and_data_from_args(ns)
+    if opts.num_stages is not None and opts.num_stages != mcfg.n_stages:
+        mcfg = replace(mcfg, n_stages=opts.num_stages).validate()  # layers per stage stay those of the size
+    return mcfg, data_cfg
+
+
+def _parse_replicas(text: str, n_stages: int) -> List[int]:
+    if text == DEFAULT_REPLICAS and n_stages != len(text.split(",")) + 1:
+        text = ",".join((["2", "2"] + ["1"] * n_stages)[: n_stages - 1])  # the default layout, resized
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--replicas must be comma-separated integers, got {text!r}")
+    if len(values) == 1:
+        values = values * (n_stages - 1)
+    if len(values) != n_stages - 1 or min(values) < 1:
+        raise UserError(f"--replicas needs {n_stages - 1} positive counts (stages 1..{n_stages - 1}), got {text!r}")
+    return values
+
+
+class _Progress:
+    """One status line per iteration (rewritten in place on a terminal)."""
+
+    def __init__(self, total: int, stream=sys.stderr, quiet: bool = False):
+        self.total, self.stream, self.quiet = total, stream, quiet
+        self.tty = stream.isatty()
+
+    def __call__(self, s) -> None:
+        if self.quiet:
+            return
+        width = 24
+        filled = int(width * (s.iteration + 1) / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        line = (f"[{bar}] iter {s.iteration + 1}/{self.total}  loss {s.loss:.4f}  "
+                f"{s.tokens / max(s.seconds, 1e-9):,.0f} tok/s  {s.seconds:.2f} s/it  nodes {s.active_nodes}")
+        if self.tty:
+            self.stream.write("\r" + line)
+            if s.iteration + 1 >= self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _plot(history: List[dict], path: pathlib.Path, title: str) -> bool:
+    plt = load_pyplot("loss curve")
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([h["iteration"] + 1 for h in history], [h["loss"] for h in history], label="train (swarm)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+async def run_up(opts: UpOptions) -> dict:
+    from node.train.data import load_splits, validation_batches
+    from node.train.reference import evaluate_loss
+    from node.train.runtime import OptimConfig
+    from node.train.trainer import TrainerConfig
+
+    if opts.iterations < 1:
+        raise UserError("--iterations must be at least 1")
+    out = pathlib.Path(opts.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create output folder {out}: {e}")
+    mcfg, data_cfg = _model_and_data(opts)
+    splits = load_splits(data_cfg)
+    replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
+    schedule = build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches,
+                              opts.memory, reorder=opts.reorder)
+    if opts.scheduler == "skippipe":
+        t_sched = time.perf_counter()
+        schedule = scheduler_schedule(schedule, opts.path_length, opts.microbatches, opts.memory, opts.seed)
+        logger.info("path scheduler took %.1f s", time.perf_counter() - t_sched)
+    elif opts.scheduler != "builtin":
+        raise UserError(f"unknown scheduler {opts.scheduler!r}; choose 'skippipe' or 'builtin'")
+    config = TrainerConfig(run_id="up", model=mcfg, optim=OptimConfig(lr=opts.lr), data=data_cfg, seed=opts.seed,
+                           checkpoint_dir=str(out / "checkpoints"), checkpoint_every=opts.checkpoint_every,
+                           resume=opts.resume)
+    val = validation_batches(splits, data_cfg, VAL_BATCHES)
+    n_nodes = sum(len(s) for s in schedule["stages"])
+    if not opts.quiet:
+        print(f"starting a local swarm: bootstrap + {n_nodes} nodes ({opts.data_nodes} data nodes, stage replicas "
+              f"{replicas}), model {opts.model}, path length {opts.path_length}/{mcfg.n_stages}, corpus {opts.corpus}, "
+              f"{opts.scheduler} schedule",
+              file=sys.stderr)
+    progress = _Progress(opts.iterations, quiet=opts.quiet)
+    t_start = time.perf_counter()
+    emulation_for = round_robin_emulation_for(opts.emulation) if opts.emulation is not None else None
+    async with InProcessSwarm(schedule, config, splits, on_iteration=progress, emulation_for=emulation_for) as swarm:
+        t_ready = time.perf_counter()
+        first = swarm.start_iteration
+        if first >= opts.iterations:
+            raise UserError(f"checkpoints are already at iteration {first}; ask for more --iterations")
+        val_before = evaluate_loss(swarm.stage_modules(), val)
+        stats = await swarm.train(opts.iterations)
+        val_after = evaluate_loss(swarm.stage_modules(), val)
+    t_end = time.perf_counter()
+    history = [asdict(s) for s in stats]
+    prev = out / "history.json"
+    if opts.resume and prev.exists():
+        old = [h for h in json.loads(prev.read_text()) if h["iteration"] < first]
+        history = old + history
+    prev.write_text(json.dumps(history, indent=1))
+    plotted = _plot(history, out / "loss.png", f"skippipe up: {opts.model} on {opts.corpus}")
+    train_s = sum(s.seconds for s in stats)
+    summary = {
+        "iterations": opts.iterations, "resumed_from": first, "nodes": n_nodes, "data_nodes": opts.data_nodes,
+        "replicas": replicas, "path_length": opts.path_length, "n_stages": mcfg.n_stages, "model": opts.model,
+        "corpus": opts.corpus, "scheduler": opts.scheduler, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "val_loss_before": val_before, "val_loss_after": val_after,
+        "tokens_per_s": sum(s.tokens for s in stats) / max(train_s, 1e-9),
+        "mean_iteration_s": train_s / max(len(stats), 1), "startup_s": t_ready - t_start,
+        "wall_s": t_end - t_start, "loss_png": str(out / "loss.png") if plotted else None,
+        "checkpoints": str(out / "checkpoints"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+# ---------------------------------------------------------------------- daemon mode
+#: Where the daemons of ``skippipe up`` keep identities, logs and ready files (under --out).
+NODES_DIR = "nodes"
+RUN_ID = "up"
+_POLL_S = 1.0
+
+
+def _layout(opts: UpOptions):
+    """Model config, data config, replica counts (flag checks shared with the in-process harness)."""
+    if opts.iterations < 1:
+        raise UserError("--iterations must be at least 1")
+    mcfg, data_cfg = _model_and_data(opts)
+    replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
+    build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches, opts.memory)
+    if opts.scheduler != "skippipe":
+        raise UserError("--scheduler builtin needs --in-process (the daemons' coordinator uses the SkipPipe scheduler)")
+    return mcfg, data_cfg, replicas
+
+
+def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[int], List[str]]:
+    def args(i: int) -> List[str]:
+        a = ["--train", "--model", opts.model, "--corpus", opts.corpus, "--text-field", opts.text_field,
+             *(["--model-config", str(opts.model_config)] if opts.model_config else []),
+             *(["--tokenizer", opts.tokenizer] if opts.tokenizer else []), "--iterations", str(opts.iterations),
+             "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(opts.checkpoint_every),
+             "--node-name", f"node{i}", "--min-members", str(n_nodes), "--lr", repr(opts.lr), "--seed", str(opts.seed),
+             "--microbatch-size", str(opts.microbatch_size), "--microbatches", str(opts.microbatches),
+             "--memory-slots", str(opts.memory), "--threads", "1", "--iteration-timeout", "180",
+             "--agreement-timeout", str(int(opts.start_timeout_s)), "--log-level", "INFO"]
+        return a + (["--resume"] if opts.resume else []) + emulation_node_args(opts.emulation, i)
+    return args
+
+
+def _stage_modules_from_checkpoints(ckpt_root: Optional[pathlib.Path], mcfg, seed: int, names: Dict[int, str]):
+    """Replica ``names[k]`` of every stage from its checkpoint (initial weights where there is none,
+    and everywhere when ``ckpt_root`` is None); returns ``(modules, iterations)``."""
+    from node.train.checkpoint import CheckpointStore
+    from node.train.model import build_stage
+    from node.train.runtime import OptimConfig, StageRuntime
+
+    modules, iters = [], []
+    for k in range(mcfg.n_stages):
+        rt = StageRuntime(build_stage(mcfg, k, seed), OptimConfig())
+        ckpt = CheckpointStore(ckpt_root, RUN_ID, k, names[k]).load() if ckpt_root is not None else None
+        if ckpt is not None:
+            rt.load_state_dict(ckpt.state)
+        iters.append(ckpt.iteration if ckpt is not None else -1)
+        modules.append(rt.module)
+    return modules, iters
+
+
+def run_up_swarm(opts: UpOptions) -> dict:
+    """``skippipe up`` on real daemons: one ``skippipe node run --train`` process per node.
+
+    Node 0 founds the swarm (it is also data node 0), the rest join through it; all run with
+    ``--min-members`` = the node count, so they train on the one epoch that holds everybody.
+    Progress comes from the data nodes' ``training`` RPC. Every daemon is stopped (process groups,
+    so no p2pd survives) on success, failure, Ctrl+C and SIGTERM.
+    """
+    from node.train.data import load_splits, validation_batches
+    from node.testing.process_swarm import ProcessSwarm, training_state
+    from node.train.reference import evaluate_loss
+
+    mcfg, data_cfg, replicas = _layout(opts)
+    out = pathlib.Path(opts.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create output folder {out}: {e}")
+    stage_sizes = [opts.data_nodes] + replicas
+    n_nodes = sum(stage_sizes)
+    # replica 0 of stage k is the first node index of that stage (ProcessSwarm's layout)
+    first_of = {k: f"node{sum(stage_sizes[:k])}" for k in range(len(stage_sizes))}
+    splits = load_splits(data_cfg)
+    val = validation_batches(splits, data_cfg, VAL_BATCHES)
+    ckpt_root = out / "checkpoints"
+    # a fresh run starts from the initial weights even where an earlier run left checkpoints in --out
+    # (the daemons overwrite them); only --resume starts from them
+    before, ck_iters = _stage_modules_from_checkpoints(ckpt_root if opts.resume else None, mcfg, opts.seed, first_of)
+    if opts.resume and min(ck_iters) + 1 >= opts.iterations:
+        raise UserError(f"checkpoints are already at iteration {min(ck_iters) + 1}; ask for more --iterations")
+    val_before = evaluate_loss(before, val)  # initial weights, or the checkpoints resumed from
+    swarm = ProcessSwarm(n_nodes, stage_sizes, base_dir=out / NODES_DIR, run_id=RUN_ID, heartbeat_s=opts.heartbeat_s,
+                         path_length=opts.path_length, extra_args=_node_args(opts, out, n_nodes))
+    if not opts.quiet:
+        print(f"starting a local swarm of {n_nodes} daemons ({opts.data_nodes} data nodes, stage replicas {replicas}; "
+              f"node 0 founds it), model {opts.model}, path length {opts.path_length}/{mcfg.n_stages}, "
+              f"corpus {opts.corpus}; logs in {out / NODES_DIR}", file=sys.stderr)
+    progress = _Progress(opts.iterations, quiet=opts.quiet)
+    t_start = time.perf_counter()
+    history: List[dict] = []
+    first: Optional[int] = None
+    t_ready = t_first = None
+    leftover: List[int] = []
+    try:
+        swarm.start(timeout=opts.start_timeout_s)
+        t_ready = time.perf_counter()
+        data_nodes = [n for n in swarm.nodes if n.stage == 0]
+        lead = data_nodes[0]
+        last_progress = time.monotonic()
+        last_full_check = 0.0
+        states: Dict[int, dict] = {}
+        while True:
+            for node in swarm.nodes:
+                if not node.alive:
+                    raise UserError(f"node {node.index} (stage {node.stage}) exited: {swarm.last_error(node)}")
+            check_all = time.monotonic() - last_full_check > 5.0
+            for node in (swarm.nodes if check_all else data_nodes):
+                if node is lead:
+                    st = training_state(node, since=history[-1]["iteration"] if history else -1)
+                else:
+                    st = training_state(node, limit=1)
+                if st is not None:  # a busy node answers next time
+                    states[node.index] = st
+            if check_all:
+                last_full_check = time.monotonic()
+            for idx, st in states.items():
+                if st.get("state") == "error":
+                    raise UserError(f"training failed on node {idx}: {st.get('error')}")
+            lead_state = states.get(lead.index, {})
+            if first is None and lead_state.get("start_iteration") is not None:
+                first = int(lead_state["start_iteration"])
+            for h in lead_state.get("history", []):
+                if not history or h["iteration"] > history[-1]["iteration"]:
+                    history.append(h)
+                    last_progress = time.monotonic()
+                    t_first = t_first or time.perf_counter()
+                    progress(types.SimpleNamespace(**h))
+            lead_state["history"] = []
+            if all(states.get(n.index, {}).get("state") == "done" for n in swarm.nodes):
+                break
+            if all(states.get(n.index, {}).get("state") == "done" for n in data_nodes):
+                last_full_check = 0.0  # the others finish the same iteration: ask them at once
+            waited = time.monotonic() - last_progress
+            if not history and waited > opts.start_timeout_s:
+                raise UserError(f"training did not start within {opts.start_timeout_s:.0f} s "
+                                f"(states: {_state_line(states, swarm)}); see the logs in {out / NODES_DIR}")
+            if history and waited > opts.stall_timeout_s:
+                raise UserError(f"training stalled at iteration {history[-1]['iteration'] + 1}: no progress for "
+                                f"{waited:.0f} s (states: {_state_line(states, swarm)}); logs in {out / NODES_DIR}")
+            time.sleep(_POLL_S)
+    finally:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the clean stop
+        try:
+            swarm.stop()
+            leftover = [p for n in swarm.nodes for p in n.group_pids()]
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    t_end = time.perf_counter()
+    after, _ = _stage_modules_from_checkpoints(ckpt_root, mcfg, opts.seed, first_of)
+    val_after = evaluate_loss(after, val)
+    first = first if first is not None else 0
+    prev = out / "history.json"
+    if opts.resume and prev.exists():
+        old = [h for h in json.loads(prev.read_text()) if h["iteration"] < first]
+        history = old + [h for h in history if h["iteration"] >= first]
+    prev.write_text(json.dumps(history, indent=1))
+    plotted = _plot(history, out / "loss.png", f"skippipe up: {opts.model} on {opts.corpus} ({n_nodes} daemons)")
+    trained = [h for h in history if h["iteration"] >= first]
+    train_s = sum(h["seconds"] for h in trained)
+    summary = {
+        "mode": "daemons", "iterations": opts.iterations, "resumed_from": first, "nodes": n_nodes,
+        "data_nodes": opts.data_nodes, "replicas": replicas, "path_length": opts.path_length,
+        "n_stages": mcfg.n_stages, "model": opts.model, "corpus": opts.corpus, "scheduler": "skippipe",
+        "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "val_loss_before": val_before, "val_loss_after": val_after,
+        "tokens_per_s": sum(h["tokens"] for h in trained) / max(train_s, 1e-9),
+        "mean_iteration_s": train_s / max(len(trained), 1),
+        "startup_s": (t_first or t_end) - t_start, "daemons_ready_s": (t_ready or t_end) - t_start,
+        "wall_s": t_end - t_start, "loss_png": str(out / "loss.png") if plotted else None,
+        "checkpoints": str(ckpt_root), "leftover_processes": len(leftover),
+        "epoch": states.get(lead.index, {}).get("epoch") if t_ready else None,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _state_line(states: Dict[int, dict], swarm) -> str:
+    parts = []
+    for n in swarm.nodes:
+        st = states.get(n.index)
+        parts.append(f"node{n.index}=" + (f"{st.get('state')}@{st.get('committed_iteration')}" if st else "?"))
+    return " ".join(parts)

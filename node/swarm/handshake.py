@@ -1,0 +1,101 @@
+"""Which run a node serves and which stages it holds: founding, the ``hello`` handshake, stage choice.
+
+A founding node fixes the run configuration from its flags; a joiner asks an initial peer for it
+(``hello``), so every member trains the same stage count and path length, and a wrong run id or
+protocol version stops the joiner with one clear line instead of a swarm that silently disagrees.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from hivemind.p2p import P2P, PeerID
+
+from node.errors import UserError
+from node.net.access import HELLO_PROOF_PARAM, SwarmAccess
+from node.net.rpc import RpcCallError, call_p2p
+from node.swarm.config import DaemonConfig
+from node.swarm.coordinator import RunConfig
+from node.swarm.view import SwarmView
+
+__all__ = ["DEFAULT_NUM_STAGES", "founding_run_config", "handshake", "choose_stages"]
+
+logger = logging.getLogger(__name__)
+
+#: Default number of stages of a new swarm when neither --stages nor --num-stages says.
+DEFAULT_NUM_STAGES = 2
+
+
+def founding_run_config(cfg: DaemonConfig) -> RunConfig:
+    """The run configuration a founding node chooses from its flags."""
+    if cfg.num_stages is not None:
+        num_stages = cfg.num_stages
+    elif cfg.stages:
+        num_stages = max(max(cfg.stages) + 1, DEFAULT_NUM_STAGES)
+    else:
+        num_stages = DEFAULT_NUM_STAGES
+    if num_stages < 1:
+        raise UserError("--num-stages must be at least 1")
+    path_length = cfg.path_length if cfg.path_length is not None else num_stages
+    if not 1 <= path_length <= num_stages:
+        raise UserError(f"--path-length must be between 1 and the number of stages ({num_stages})")
+    if cfg.microbatches_per_data_node < 1:
+        raise UserError("--microbatches must be at least 1")
+    return RunConfig(num_stages, path_length, cfg.microbatches_per_data_node, cfg.schedule_policy, cfg.location_cost)
+
+
+async def handshake(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: str, protocol_version: int,
+                    initial_ids: Sequence[PeerID], log: logging.LoggerAdapter | logging.Logger = logger) -> RunConfig:
+    """Ask an initial peer which run it serves; refuse a wrong run id or protocol version."""
+    errors = []
+    for maddr, initial_id in zip(cfg.initial_peers, initial_ids):
+        try:
+            params = {"run_id": cfg.run_id, "protocol_version": protocol_version}
+            proof = access.hello_proof(peer_id) if cfg.access_handshake else None
+            if proof is not None:
+                params[HELLO_PROOF_PARAM] = proof
+            info = await call_p2p(p2p, initial_id, "hello", params, timeout=cfg.hello_timeout_s)
+        except RpcCallError as e:
+            if "access denied" in str(e):
+                if not cfg.access_handshake:  # test knob: a modified client pushes on regardless
+                    log.warning("hello refused (%s); joining anyway without the handshake", e)
+                    return founding_run_config(cfg)
+                raise UserError(f"{maddr} refused this node: {str(e).split('access denied: ', 1)[-1]}") from None
+            errors.append(f"{maddr}: {e}")
+            continue
+        if not isinstance(info, dict) or "run_id" not in info:
+            errors.append(f"{maddr}: not a skippipe node")
+            continue
+        if info.get("protocol_version") != protocol_version:
+            raise UserError(
+                f"incompatible protocol version: {maddr} speaks v{info.get('protocol_version')}, "
+                f"this node speaks v{protocol_version}; upgrade the older side"
+            )
+        if info["run_id"] != cfg.run_id:
+            raise UserError(
+                f"wrong run id: {maddr} serves run {info['run_id']!r}, not {cfg.run_id!r} (pass --run-id {info['run_id']})"
+            )
+        run = RunConfig.from_json(info["run"])
+        if cfg.num_stages is not None and cfg.num_stages != run.num_stages:
+            raise UserError(f"run {cfg.run_id!r} has {run.num_stages} stages, not {cfg.num_stages}")
+        return run
+    raise UserError("no initial peer answered the handshake: " + "; ".join(errors))
+
+
+def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
+                  log: logging.LoggerAdapter | logging.Logger = logger) -> tuple[int, ...]:
+    """``--stages`` checked against the run, or with ``--auto`` the stage with the fewest live replicas."""
+    if cfg.stages is not None:
+        bad = [s for s in cfg.stages if not 0 <= s < run.num_stages]
+        if bad:
+            raise UserError(f"stage(s) {bad} out of range: run {cfg.run_id!r} has stages 0..{run.num_stages - 1}")
+        return tuple(sorted(set(cfg.stages)))
+    counts = [0] * run.num_stages
+    for entry in view.alive():
+        for s in entry.advert.stages:
+            if 0 <= s < run.num_stages:
+                counts[s] += 1
+    stage = min(range(run.num_stages), key=lambda s: (counts[s], s))
+    log.info("--auto picked stage %d (replicas per stage: %s)", stage, counts)
+    return (stage,)
