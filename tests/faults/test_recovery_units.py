@@ -7,15 +7,19 @@ import torch
 
 from node.train.model import build_stage, model_config
 from node.train.runtime import OptimConfig, StageRuntime
-from node.train.trainer import TrainerConfig, TrainerNode
+from node.train.commit import resync_source
+from node.train.trainer import TrainerConfig
 
 
 def _node(peer_id: str, stage: int = 1):
-    t = TrainerNode(p2p=None, dht=None, peer_id=peer_id, epoch=None, config=TrainerConfig())
-    t.plan = types.SimpleNamespace(stage_of={0: 0, 1: stage, 2: stage})
-    t.members = ("d", "a", "b")
-    t.index = t.members.index(peer_id)
-    return t
+    """The resync rule as the replica ``peer_id`` of ``stage`` applies it (members d, a, b; d is stage 0)."""
+    tolerance = TrainerConfig().resync_tolerance
+
+    def choose(records, mine):
+        replicas = {p: (r["stage"], r["checksum"]) for p, r in records.items()}
+        return resync_source(replicas, mine, stage, peer_id, tolerance)
+
+    return types.SimpleNamespace(_resync_source=choose)
 
 
 def test_resync_copies_the_lowest_finite_replica_only():
