@@ -83,14 +83,14 @@ class RunAgreement:
         while True:
             epoch = self.host.current_epoch
             if after is not None and epoch is not None and (
-                    epoch.epoch <= after[0] or int(getattr(epoch, "start_iteration", 0)) < after[1]):
+                    epoch.epoch <= after[0] or int(epoch.start_iteration) < after[1]):
                 epoch = None  # not newer than the one we left, or it started before we left
             if after is not None and stopping is not None and stopping.is_set():
                 return None
             number = epoch.epoch if epoch is not None else None
             if number != seen:
                 seen, since = number, time.monotonic()
-            joining = epoch is not None and int(getattr(epoch, "start_iteration", 0)) > 0
+            joining = epoch is not None and int(epoch.start_iteration) > 0
             if epoch is not None and me in epoch.members and (joining or len(epoch.members) >= self.min_members):
                 # a run in progress announced its boundary already; waiting would only make us late
                 if joining or time.monotonic() - since >= self.debounce_s:

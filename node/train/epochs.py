@@ -133,7 +133,7 @@ class EpochTracker:
         """The newest known epoch whose start iteration has been reached, if newer than ours."""
         self.offer(self.adopted())
         due = [e for n, e in self._offered.items() if n > self.epoch.epoch
-               and int(getattr(e, "start_iteration", 0)) <= iteration]
+               and int(e.start_iteration) <= iteration]
         for n in [n for n in self._offered if n <= self.epoch.epoch]:
             del self._offered[n]
         return max(due, key=lambda e: e.epoch) if due else None
@@ -162,7 +162,7 @@ class EpochTracker:
         from protocol import encode
 
         out = [e for n, e in self._offered.items() if n > self.epoch.epoch and int(e.start_iteration) > iteration]
-        if int(getattr(self.epoch, "start_iteration", 0)) >= iteration - 1 and self.epoch.epoch > 0:
+        if int(self.epoch.start_iteration) >= iteration - 1 and self.epoch.epoch > 0:
             out.append(self.epoch)
         return [encode(e) for e in out]
 

@@ -149,7 +149,7 @@ class TrainerService:
                     # the replica we need is busy or gone: the coordinator will issue another epoch
                     # (it starts later, so there is a newer state to fetch); try that one
                     self.log.warning("%s; waiting for a later epoch to try again", e)
-                    left_at = max(int(getattr(epoch, "start_iteration", 0)), 1)
+                    left_at = max(int(epoch.start_iteration), 1)
                 first = False
                 if left_at is None:
                     break
@@ -188,7 +188,7 @@ class TrainerService:
         for peer in epoch.members:
             if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
                 self.log.warning("cannot connect to schedule member %s yet", peer[-8:])
-        join_at = int(getattr(epoch, "start_iteration", 0)) or None
+        join_at = int(epoch.start_iteration) or None
         past_end = join_at is not None and join_at >= self.iterations
         if past_end or await self.agreement.run_finished():
             # the coordinator plans for membership changes even after the run's last iteration, so a
