@@ -47,7 +47,8 @@ class PeerHealth:
         """``alive(peer)``: the host's membership oracle; None = every member counts as alive until a
         send to it fails. ``self_alive()``: False once this node was killed."""
         self.peer_id = peer_id
-        self._alive = alive
+        #: the host's membership oracle; replaceable (tests hide a live peer from one node's view)
+        self.oracle = alive
         self._self_alive = self_alive
         self.ban_s, self.ban_max_s = ban_s, ban_max_s
         self.metrics = metrics
@@ -58,7 +59,7 @@ class PeerHealth:
     def is_alive(self, peer: str) -> bool:
         if peer == self.peer_id:
             return self._self_alive()
-        return self._alive(peer) if self._alive is not None else True
+        return self.oracle(peer) if self.oracle is not None else True
 
     def suspected(self, peer: str) -> bool:
         entry = self._bans.get(peer)
