@@ -186,9 +186,6 @@ class TrainerNode:
     def is_alive(self, peer: str) -> bool:
         return self.health.is_alive(peer)
 
-    def suspect(self, peer: str, why: str) -> None:
-        self.health.suspect(peer, why)
-
     # ------------------------------------------------------------------ setup
     def _bind_epoch(self, epoch) -> None:
         self.epochs.bind(epoch)
@@ -470,6 +467,6 @@ class TrainerNode:
         self.pipeline.stop_compute()
 
 
-# the service half of this module moved to node.train.service and node.train.agreement; the names stay here
+# the daemon side of training, re-exported: callers import the trainer's public names from this one module
 from node.train.agreement import TrainingDisagreement, summary_differences, training_summary  # noqa: E402
 from node.train.service import TrainerService  # noqa: E402
