@@ -126,7 +126,9 @@ class TrainerService:
 
     @property
     def debounce_s(self) -> float:
-        return self.agreement.debounce_s
+        if self.agreement is not None:
+            return self.agreement.debounce_s
+        return self.start_debounce_s if self.start_debounce_s is not None else 3.0  # 3 heartbeats of 1 s
 
     def _on_iteration(self, stats: IterationStats) -> None:
         metrics = self.daemon.metrics
