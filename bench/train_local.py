@@ -61,7 +61,7 @@ def bench_reference(name, cfg, splits, schedule, iterations, warmup, threads) ->
         ref.train_iteration()
         if i >= warmup:
             times.append(time.perf_counter() - t)
-    n_mb = sum(len(ref.plan.routes_for(d)) for d in ref.plan.data_nodes)
+    n_mb = sum(ref.plan.microbatches_of(d) for d in ref.plan.data_nodes)
     return _median_result(name, times, n_mb * cfg.data.microbatch_size * cfg.data.seq_len)
 
 

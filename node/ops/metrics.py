@@ -66,6 +66,12 @@ class NodeMetrics:
             registry=r,
         )
         self.reroutes = Counter(f"{_PREFIX}_reroutes", "Microbatches re-routed around a failed node", registry=r)
+        self.skips = Counter(
+            f"{_PREFIX}_skips", "Stages a microbatch skipped because no replica of them was alive", registry=r
+        )
+        self.dropped_microbatches = Counter(
+            f"{_PREFIX}_dropped_microbatches", "Microbatches this data node gave up after their retries", registry=r
+        )
         self.failures = Counter(f"{_PREFIX}_failures", "Failures by kind", ["kind"], registry=r)
         self.schedule_epoch = Gauge(f"{_PREFIX}_schedule_epoch", "Adopted schedule epoch (0 = none yet)", registry=r)
         self.peers = Gauge(f"{_PREFIX}_peers", "Peers in this node's view per advertised state", ["state"], registry=r)
@@ -122,6 +128,14 @@ class NodeMetrics:
 
     def count_reroute(self, n: int = 1) -> None:
         self.reroutes.inc(n)
+
+    def count_skip(self, n: int = 1) -> None:
+        """A microbatch skipped a stage on its route (no live replica, within the skip budget)."""
+        self.skips.inc(n)
+
+    def count_drop(self, n: int = 1) -> None:
+        """A data node dropped one of its microbatches (the step is re-weighted without it)."""
+        self.dropped_microbatches.inc(n)
 
     # ------------------------------------------------------------------ daemon API
     def set_schedule_epoch(self, epoch: int | None) -> None:

@@ -55,6 +55,7 @@ from node.net.access import SwarmAccess, load_allowlist, load_swarm_key
 from node.net.identity import IdentityLock, NodeIdentity, load_or_create_gossip_key, load_or_create_identity, verify_rsa_signature
 from node.net.ratelimit import PeerRateLimiter
 from node.net.rpc import RpcServer
+from node.ops.join_command import join_lines_for_daemon
 from node.ops.metrics import NodeMetrics
 from node.swarm import startup
 from node.swarm.adverts import AdvertStore, make_record_validators
@@ -511,7 +512,7 @@ def _print_banner(daemon: Daemon) -> None:
         print(f"joined through {', '.join(daemon.config.initial_peers)}", flush=True)
     else:
         print("started a new swarm; others join with:", flush=True)
-    for m in joinable:
-        print(f"  skippipe node run --run-id {s['run_id']} --initial-peers {m} --auto", flush=True)
+    for line in join_lines_for_daemon(daemon.config, daemon.services, joinable):
+        print(line, flush=True)
     if s["rpc_port"]:
         print(f"rpc: http://127.0.0.1:{s['rpc_port']}", flush=True)

@@ -14,7 +14,7 @@ process, so the previous handler is restored; its blocking calls run in an execu
 mid-all-reduce can leave the survivors with slightly different values: :meth:`average` reports
 such rounds as failed when hivemind notices, and :func:`node.train.runtime.StageRuntime.checksum`
 is compared across replicas every iteration, and a diverged replica copies the canonical one's
-state (:meth:`node.train.trainer.TrainerNode._resync`).
+state (:class:`node.train.commit.IterationCommit`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from node.train.data import DataConfig, DataShard, TokenSplits
+from node.train.epochs import parse_schedule, routes_for, stage_index
 from node.train.model import ModelConfig, StageModule, build_stage
 from node.train.runtime import OptimConfig, StageRuntime, clip_coefficient
 
@@ -28,11 +29,8 @@ class ReferenceTrainer:
 
     def __init__(self, model: ModelConfig, optim: OptimConfig, data: DataConfig, splits: TokenSplits,
                  schedule: dict, seed: int = 0, device: str = "cpu"):
-        # imported here, not at the top: node.train.trainer pulls in the networking stack (hivemind, libp2p),
-        # which evaluate_loss and the single-process benches must not need (a GPU box may lack it)
-        from node.train.trainer import SchedulePlan
-
-        self.plan = SchedulePlan(schedule)
+        self.plan = parse_schedule(schedule)
+        self._stage_of = stage_index(self.plan)
         self.optim = optim
         self.stages = [StageRuntime(build_stage(model, s, seed), optim, device) for s in range(model.n_stages)]
         n_data = len(self.plan.data_nodes)
@@ -45,11 +43,11 @@ class ReferenceTrainer:
         losses: List[float] = []
         stage0 = self.stages[0]
         for d in self.plan.data_nodes:
-            for j, route in enumerate(self.plan.routes_for(d)):
+            for j, route in enumerate(routes_for(self.plan, d)):
                 key = (d, it, j)
                 inputs, targets = self.shards[d].batch(it, j)
                 h = stage0.start(key, inputs)
-                visited = [self.stages[self.plan.stage_of[n]] for n in route[1:]]
+                visited = [self.stages[self._stage_of[n]] for n in route[1:]]
                 for st in visited:
                     h = st.forward(key, h)
                 loss, g = stage0.loss_backward(h, targets)

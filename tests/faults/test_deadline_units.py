@@ -5,13 +5,11 @@ healthy emulated hops (a 20-daemon random-skip run dropped one microbatch per it
 and a schedule whose routes collide on a slow link takes longer than an unshared-link simulation says.
 """
 
-from types import SimpleNamespace
-
 import pytest
 
 from node.train.deadlines import HopDeadlines
 from node.dataplane.emulation import Emulation
-from node.train.trainer import TrainerNode
+from node.train.timing import deadline_links
 from scheduler.cost import LinkProfile
 
 PROFILE = LinkProfile.from_dict({
@@ -23,12 +21,12 @@ PROFILE = LinkProfile.from_dict({
 def test_deadline_links_are_the_emulated_ones_when_links_are_emulated():
     emu = Emulation.for_node(profile=PROFILE, location="A", peer_locations={"p": "B", "q": "A"})
     loopback = lambda a, b: (0.0001, 1e9)  # noqa: E731 - what a link probe over 127.0.0.1 measures
-    links = TrainerNode._deadline_links(SimpleNamespace(emulation=emu, _link_estimate=loopback, peer_id="me"))
+    links = deadline_links(emu, loopback, "me")
     lat, bw = links("me", "p")  # this node (at A) to a peer at B
     assert lat == pytest.approx(0.2) and bw == pytest.approx(1e-4 * 2**30)
     assert links("q", "p")[0] == pytest.approx(0.2)  # any two peers, not only this node's links
     assert links("me", "stranger") == (0.0001, 1e9)  # no known location: the measured link
-    plain = TrainerNode._deadline_links(SimpleNamespace(emulation=None, _link_estimate=loopback, peer_id="me"))
+    plain = deadline_links(None, loopback, "me")
     assert plain is loopback
 
 

@@ -7,15 +7,19 @@ import torch
 
 from node.train.model import build_stage, model_config
 from node.train.runtime import OptimConfig, StageRuntime
-from node.train.trainer import TrainerConfig, TrainerNode
+from node.train.commit import resync_source
+from node.train.trainer import TrainerConfig
 
 
 def _node(peer_id: str, stage: int = 1):
-    t = TrainerNode(p2p=None, dht=None, peer_id=peer_id, epoch=None, config=TrainerConfig())
-    t.plan = types.SimpleNamespace(stage_of={0: 0, 1: stage, 2: stage})
-    t.members = ("d", "a", "b")
-    t.index = t.members.index(peer_id)
-    return t
+    """The resync rule as the replica ``peer_id`` of ``stage`` applies it (members d, a, b; d is stage 0)."""
+    tolerance = TrainerConfig().resync_tolerance
+
+    def choose(records, mine):
+        replicas = {p: (r["stage"], r["checksum"]) for p, r in records.items()}
+        return resync_source(replicas, mine, stage, peer_id, tolerance)
+
+    return types.SimpleNamespace(_resync_source=choose)
 
 
 def test_resync_copies_the_lowest_finite_replica_only():
@@ -63,3 +67,45 @@ def test_a_peer_counts_as_gone_only_after_the_grace_and_a_return_resets_it():
     assert gone_peers(["b"], alive.get, absent, now=112.0, grace_s=10.0) == set()  # a new lapse starts over
     assert gone_peers(["b", "c"], alive.get, absent, now=122.0, grace_s=10.0) == {"b", "c"}
     assert gone_peers(["c"], alive.get, {}, now=0.0, grace_s=0.0) == {"c"}  # no grace: at once
+
+
+def _bound_node(metrics, **cfg):
+    from node.train.trainer import TrainerNode
+
+    epoch = types.SimpleNamespace(epoch=0, start_iteration=0, members=("d", "a", "b"), run_id="skippipe",
+                                  schedule={"stages": [[0], [1], [2]], "path_length": 3, "memory": 1,
+                                            "paths": [{"data_node": 0, "route": [0, 1, 2], "microbatches": 2}]})
+    t = TrainerNode(p2p=None, dht=None, peer_id="d", epoch=epoch, config=TrainerConfig(**cfg), metrics=metrics,
+                    alive=lambda p: p != "a")
+    t.epochs.bind(epoch)
+    t.current_iteration = 0
+    t.runtime = types.SimpleNamespace(drop=lambda key: None)
+    return t
+
+
+def test_skips_and_drops_are_counted_in_the_metrics():
+    import asyncio
+
+    from node.ops.metrics import NodeMetrics
+    from node.train.common import Pending
+    from protocol import ActivationMessage, MicrobatchId
+
+    m = NodeMetrics()
+    t = _bound_node(m, max_retries=0)
+    sent = []
+
+    async def send(peer, msg):
+        sent.append((peer, msg.route))
+
+    t.dataplane = types.SimpleNamespace(send=send)
+    mb = MicrobatchId("skippipe", 0, 0, "d", 0, 0)
+    # a is down and has no other replica: the path may lose one stage, so it skips to b
+    asyncio.run(t.recovery.send_forward(ActivationMessage(mb, 1, ("d", "a", "b", "d"), None)))
+    assert sent == [("b", ("d", "b", "d"))] and t.skips == 1 and m.sample("skippipe_skips_total") == 1
+
+    st = t.iteration_state(0)
+    st.remaining = 2
+    p = Pending(0, 0, ("d", "a", "b", "d"), deadline=0.0)
+    t.recovery.pending[0] = p
+    t.recovery.fail_microbatch(p, "test")  # no retries left: dropped
+    assert st.dropped == 1 and st.remaining == 1 and m.sample("skippipe_dropped_microbatches_total") == 1

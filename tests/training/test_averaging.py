@@ -124,7 +124,7 @@ async def test_view_flap_costs_a_resync_not_the_matchmaking_timeout(splits):
     async with InProcessSwarm(schedule, cfg, splits) as swarm:
         node0, node1 = swarm.nodes[0], swarm.nodes[1]
         hidden = node1.peer_id
-        node0._alive = lambda p: swarm.is_alive(p) and not (p == hidden and node0.current_iteration == 1)
+        node0.health.oracle = lambda p: swarm.is_alive(p) and not (p == hidden and node0.current_iteration == 1)
         await swarm.train(4)
         h0 = {s.iteration: s.averaged for s in node0.history}
         h1 = {s.iteration: s.averaged for s in node1.history}

@@ -10,7 +10,7 @@ from node.testing.schedules import build_schedule
 from node.train.data import DataConfig, DataShard, validation_batches
 from node.errors import UserError
 from node.train.model import MODEL_SIZES, DecoderLayer, apply_rotary, build_stage, model_config, rotary_tables
-from node.train.trainer import SchedulePlan
+from node.train.epochs import parse_schedule, routes_for, stage_index
 
 
 def _stages(cfg, seed=0):
@@ -118,17 +118,18 @@ def test_shards_are_disjoint_deterministic_and_hold_out_validation(splits):
 
 def test_build_schedule_is_balanced_and_valid():
     sched = build_schedule(6, 2, [2, 2, 1, 1, 1], path_length=4, microbatches=5, memory=2, reorder=True)
-    plan = SchedulePlan(sched)
-    routes = plan.routes_for(0) + plan.routes_for(1)
+    plan = parse_schedule(sched)
+    stage_of = stage_index(plan)
+    routes = routes_for(plan, 0) + routes_for(plan, 1)
     assert len(routes) == 10 and all(len(r) == 4 for r in routes)
     visits = {s: 0 for s in range(1, 6)}
     for r in routes:
         for n in r[1:]:
-            visits[plan.stage_of[n]] += 1
+            visits[stage_of[n]] += 1
     assert max(visits.values()) - min(visits.values()) <= 1
-    assert any([plan.stage_of[n] for n in r[1:]] != sorted(plan.stage_of[n] for n in r[1:]) for r in routes)
+    assert any([stage_of[n] for n in r[1:]] != sorted(stage_of[n] for n in r[1:]) for r in routes)
     with pytest.raises(UserError):
-        SchedulePlan({"stages": [[0], [1]], "paths": [{"data_node": 0, "route": [0, 1, 1]}]})
+        parse_schedule({"stages": [[0], [1]], "paths": [{"data_node": 0, "route": [0, 1, 1]}]})
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
@@ -165,12 +166,10 @@ def test_forward_time_probe_runs_on_the_stages_device(stage_index):
 
     The meta device stands in for a GPU: a probe built on the CPU fails against a meta stage the same way
     it failed against a CUDA stage."""
-    import types
-
     from node.train.runtime import OptimConfig, StageRuntime
-    from node.train.trainer import TrainerConfig, TrainerNode
+    from node.train.timing import measure_forward_s
+    from node.train.trainer import TrainerConfig
 
     cfg = TrainerConfig(device="meta")
     runtime = StageRuntime(build_stage(cfg.model, stage_index, seed=0), OptimConfig(), "meta")
-    probe = types.SimpleNamespace(emulation=None, cfg=cfg, runtime=runtime, stage=stage_index)
-    assert TrainerNode._measure_forward_s(probe) >= 0.0
+    assert measure_forward_s(runtime, cfg, stage_index, emulation=None) >= 0.0

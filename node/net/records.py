@@ -1,0 +1,269 @@
+"""Typed per-member DHT records of a training run: one key convention, one reader and one writer each.
+
+Every record lives under a DHT key of the run with one subkey per member (its peer id), so a reader
+gets all members' records with one ``get``:
+
+* :class:`NormRecord` under ``<run>:gradnorm:<iteration>``: a member's stage gradient norm, loss sums
+  and parameter checksum for one iteration (the norm exchange, the resync check, the averaging
+  give-up rule and the "data node is done" fallback all read it);
+* :class:`StartRecord` under ``<run>:trainstart``: the epoch, configuration and start iteration a
+  member pinned (the start agreement, and a joiner's configuration check);
+* :class:`FinishedRecord` under ``<run>:trainfinished``: a member trained the run to its end (a late
+  joiner learns there is nothing left to train).
+
+A record is a dict on the wire with a schema version ``v``. Readers validate what other peers wrote
+(any member can write anything under any subkey it owns): sizes are capped, numbers must be numbers
+(finite where a non-finite value has no meaning), and an entry whose expiry lies further in the
+future than its record type's TTL allows is ignored (a peer cannot pin a record in everyone's DHT).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from node.compat import import_hivemind
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "NORM_RECORD_TTL_S",
+    "START_RECORD_TTL_S",
+    "FINISHED_RECORD_TTL_S",
+    "RecordError",
+    "NormRecord",
+    "StartRecord",
+    "FinishedRecord",
+    "norm_key",
+    "start_key",
+    "finished_key",
+    "write_norm_record",
+    "read_norm_records",
+    "write_start_record",
+    "read_start_records",
+    "write_finished_record",
+    "read_finished_records",
+]
+
+#: Version of the record layout; a reader ignores records of another version (a member running other
+#: code must not feed numbers it means differently into this member's step).
+SCHEMA_VERSION = 1
+
+#: A norm record is read only while its iteration is open; 5 minutes outlasts the longest norm-exchange
+#: wait (``TrainerConfig.norm_exchange_timeout_s``, 2 minutes) with room, and then the key is garbage.
+NORM_RECORD_TTL_S = 300.0
+#: A start record is read during the start barrier and by joiners of the same session; an hour covers
+#: any start debounce and agreement timeout, and an older session's record is ignored by its time anyway.
+START_RECORD_TTL_S = 3600.0
+#: A finished record tells late joiners the run is over; an hour is as long as anyone waits to join.
+FINISHED_RECORD_TTL_S = 3600.0
+#: Slack on the expiry bound: members' DHT clocks disagree by a little.
+EXPIRY_SLACK_S = 60.0
+
+MAX_PEER_ID_CHARS = 128
+MAX_GROUP = 1024  # peers named in one averaging group
+MAX_EPOCHS = 8  # announced epochs carried by one norm record
+MAX_EPOCH_BYTES = 256 * 1024  # one encoded, signed schedule epoch
+MAX_CONFIG_JSON = 64 * 1024  # a training summary, as JSON
+MAX_COUNT = 2**40  # microbatches, tokens, iterations, epochs
+
+
+class RecordError(ValueError):
+    """A DHT record does not have the layout of its type."""
+
+
+def norm_key(run_id: str, iteration: int) -> str:
+    return f"{run_id}:gradnorm:{int(iteration)}"
+
+
+def start_key(run_id: str) -> str:
+    return f"{run_id}:trainstart"
+
+
+def finished_key(run_id: str) -> str:
+    return f"{run_id}:trainfinished"
+
+
+# ---------------------------------------------------------------------- field checks
+def _count(d: dict, name: str, default: Optional[int] = None) -> int:
+    x = d.get(name, default)
+    if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_COUNT:
+        raise RecordError(f"{name} must be an integer in 0..{MAX_COUNT}, got {x!r}")
+    return x
+
+
+def _number(d: dict, name: str, finite: bool = True) -> float:
+    x = d.get(name)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise RecordError(f"{name} must be a number, got {type(x).__name__}")
+    x = float(x)
+    if finite and not math.isfinite(x):
+        raise RecordError(f"{name} must be finite, got {x}")
+    return x
+
+
+def _peer(x: Any) -> str:
+    if not isinstance(x, str) or not 0 < len(x) <= MAX_PEER_ID_CHARS:
+        raise RecordError(f"not a peer id: {x!r:.40}")
+    return x
+
+
+def _config(d: dict) -> dict:
+    config = d.get("config")
+    if not isinstance(config, dict) or not config:
+        raise RecordError("config must be a non-empty dict")
+    try:
+        size = len(json.dumps(config))
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"config is not JSON: {e}") from None
+    if size > MAX_CONFIG_JSON:
+        raise RecordError(f"config is {size} bytes of JSON, at most {MAX_CONFIG_JSON}")
+    return config
+
+
+def _check_version(d: Any) -> dict:
+    if not isinstance(d, dict):
+        raise RecordError(f"a record is a dict, got {type(d).__name__}")
+    if d.get("v") != SCHEMA_VERSION:
+        raise RecordError(f"schema version {d.get('v')!r}, this node reads {SCHEMA_VERSION}")
+    return d
+
+
+# ---------------------------------------------------------------------- record types
+@dataclass(frozen=True)
+class NormRecord:
+    """One member's numbers for one iteration, published after its averaging round.
+
+    ``sq`` (the stage's squared gradient norm), ``checksum`` and ``loss_sum`` may be non-finite: that
+    is how a poisoned gradient or a diverged replica shows, and every member must see it to skip the
+    step or to refuse that replica as a resync source."""
+
+    stage: int
+    sq: float
+    checksum: float
+    epoch: int
+    loss_sum: float = 0.0
+    n_mb: int = 0
+    tokens: int = 0
+    dropped: int = 0
+    #: the peers this replica averaged with (empty: it skipped or failed its round)
+    avg_group: Tuple[str, ...] = ()
+    #: encoded schedule epochs the member knows of and others may not (see the epoch tracker)
+    epochs: Tuple[bytes, ...] = field(default=(), repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["avg_group"], d["epochs"] = list(self.avg_group), list(self.epochs)
+        d["v"] = SCHEMA_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "NormRecord":
+        d = _check_version(d)
+        group, epochs = d.get("avg_group", []), d.get("epochs", [])
+        if not isinstance(group, (list, tuple)) or len(group) > MAX_GROUP:
+            raise RecordError(f"avg_group must be a list of at most {MAX_GROUP} peer ids")
+        if not isinstance(epochs, (list, tuple)) or len(epochs) > MAX_EPOCHS:
+            raise RecordError(f"epochs must be a list of at most {MAX_EPOCHS} encoded epochs")
+        if not all(isinstance(e, bytes) and len(e) <= MAX_EPOCH_BYTES for e in epochs):
+            raise RecordError(f"an announced epoch is not bytes of at most {MAX_EPOCH_BYTES}")
+        return cls(stage=_count(d, "stage"), sq=_number(d, "sq", finite=False),
+                   checksum=_number(d, "checksum", finite=False), epoch=_count(d, "epoch"),
+                   loss_sum=_number(d, "loss_sum", finite=False), n_mb=_count(d, "n_mb", 0),
+                   tokens=_count(d, "tokens", 0), dropped=_count(d, "dropped", 0),
+                   avg_group=tuple(_peer(p) for p in group), epochs=tuple(epochs))
+
+
+@dataclass(frozen=True)
+class StartRecord:
+    """The schedule epoch, training configuration and start iteration a member pinned; ``time`` (unix)
+    tells this session's records from an earlier session's."""
+
+    epoch: int
+    config: dict
+    start: int
+    time: float
+
+    def to_dict(self) -> dict:
+        return {"v": SCHEMA_VERSION, "epoch": self.epoch, "config": self.config, "start": self.start,
+                "time": self.time}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "StartRecord":
+        d = _check_version(d)
+        return cls(epoch=_count(d, "epoch"), config=_config(d), start=_count(d, "start"), time=_number(d, "time"))
+
+
+@dataclass(frozen=True)
+class FinishedRecord:
+    """A member trained the run with ``config`` through its last iteration ``iteration``."""
+
+    config: dict
+    iteration: int
+    time: float
+
+    def to_dict(self) -> dict:
+        return {"v": SCHEMA_VERSION, "config": self.config, "iteration": self.iteration, "time": self.time}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "FinishedRecord":
+        d = _check_version(d)
+        return cls(config=_config(d), iteration=_count(d, "iteration"), time=_number(d, "time"))
+
+
+# ---------------------------------------------------------------------- DHT access
+def _dht_time() -> float:
+    import_hivemind()
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()
+
+
+async def _write(dht, key: str, subkey: str, record, ttl_s: float) -> None:
+    await dht.store(key, record.to_dict(), expiration_time=_dht_time() + ttl_s, subkey=str(subkey),
+                    return_future=True)
+
+
+async def _read(dht, key: str, cls, ttl_s: float) -> Optional[Dict[str, Any]]:
+    """Subkey (peer id) -> record of every valid entry under ``key``; None when the read found nothing
+    (under load a miss is not "nobody wrote")."""
+    res = await dht.get(key, latest=True, return_future=True)
+    if res is None or not isinstance(res.value, dict):
+        return None
+    latest_expiry = _dht_time() + ttl_s + EXPIRY_SLACK_S
+    out: Dict[str, Any] = {}
+    for subkey, entry in res.value.items():
+        expiry = getattr(entry, "expiration_time", None)
+        if isinstance(expiry, (int, float)) and expiry > latest_expiry:
+            continue
+        try:
+            out[_peer(str(subkey))] = cls.from_dict(getattr(entry, "value", None))
+        except RecordError:
+            continue
+    return out
+
+
+async def write_norm_record(dht, run_id: str, iteration: int, peer_id: str, record: NormRecord,
+                            ttl_s: float = NORM_RECORD_TTL_S) -> None:
+    await _write(dht, norm_key(run_id, iteration), peer_id, record, min(ttl_s, NORM_RECORD_TTL_S))
+
+
+async def read_norm_records(dht, run_id: str, iteration: int) -> Optional[Dict[str, NormRecord]]:
+    return await _read(dht, norm_key(run_id, iteration), NormRecord, NORM_RECORD_TTL_S)
+
+
+async def write_start_record(dht, run_id: str, peer_id: str, record: StartRecord) -> None:
+    await _write(dht, start_key(run_id), peer_id, record, START_RECORD_TTL_S)
+
+
+async def read_start_records(dht, run_id: str) -> Optional[Dict[str, StartRecord]]:
+    return await _read(dht, start_key(run_id), StartRecord, START_RECORD_TTL_S)
+
+
+async def write_finished_record(dht, run_id: str, peer_id: str, record: FinishedRecord) -> None:
+    await _write(dht, finished_key(run_id), peer_id, record, FINISHED_RECORD_TTL_S)
+
+
+async def read_finished_records(dht, run_id: str) -> Optional[Dict[str, FinishedRecord]]:
+    return await _read(dht, finished_key(run_id), FinishedRecord, FINISHED_RECORD_TTL_S)

@@ -1,0 +1,159 @@
+"""Run agreement: which epoch a daemon's trainer pins, and the checks that all members train the same run.
+
+The service pins one schedule epoch to start on: the host's *current* epoch once that epoch
+(a) contains this peer, (b) has at least ``min_members`` members and (c) has stayed the current
+epoch for the start debounce (default 3 heartbeats). It then builds its stage and publishes one
+:class:`node.net.records.StartRecord` ``{epoch, config, start}`` under ``<run>:trainstart``. Each
+node pins exactly once, and nobody runs an iteration before *every* member of its pinned epoch has
+confirmed that same epoch, the same training configuration (:func:`training_summary`) and the same
+start iteration. So if any node trains on epoch E, all members of E train on E; a member that
+pinned something else turns the wait into a :class:`TrainingDisagreement` naming who and what
+differs, never a silent split. Confirmations made before the pinned epoch was issued (an earlier
+session) are ignored.
+
+A node joining a run in progress skips the barrier but must match the run's configuration; one that
+comes after the run's end learns from a :class:`node.net.records.FinishedRecord` there is nothing left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+from typing import List, Optional, Tuple
+
+from node.errors import UserError
+from node.net.records import (FinishedRecord, StartRecord, read_finished_records, read_start_records,
+                              write_finished_record, write_start_record)
+from node.train.common import NodeLog, TrainerConfig, TrainingStalled
+from node.train.host import TrainerHost
+
+__all__ = ["RunAgreement", "TrainingDisagreement", "training_summary", "summary_differences"]
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDisagreement(UserError):
+    """Members of the pinned epoch confirmed a different epoch, configuration or start iteration."""
+
+
+def training_summary(config: TrainerConfig, iterations: int) -> dict:
+    """The hyper-parameters every member of a run must share (compared before training starts)."""
+    return {"model": config.model.to_dict(), "optim": asdict(config.optim), "data": asdict(config.data),
+            "averaging": asdict(config.averaging), "seed": config.seed, "iterations": int(iterations),
+            "memory_slots": config.memory_slots}
+
+
+def summary_differences(mine: dict, theirs: dict, prefix: str = "") -> List[str]:
+    """``["optim.lr: 0.001 here, 0.003 there", ...]`` (nested dicts flattened)."""
+    out = []
+    for k in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(k), theirs.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(summary_differences(a, b, f"{prefix}{k}."))
+        elif a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)):
+            out.append(f"{prefix}{k}: {a!r} here, {b!r} there")
+    return out
+
+
+class RunAgreement:
+    """Pins the epoch to train on and checks the other members' start and finished records."""
+
+    def __init__(self, host: TrainerHost, run_id: str, summary: dict, *, min_members: int,
+                 start_debounce_s: Optional[float], agreement_timeout_s: float, poll_s: float,
+                 node_name: Optional[str] = None):
+        self.host, self.run_id, self.summary = host, run_id, summary
+        self.min_members, self.start_debounce_s = min_members, start_debounce_s
+        self.agreement_timeout_s, self.poll_s = agreement_timeout_s, poll_s
+        self.log = NodeLog(logger, node_name)
+
+    @property
+    def debounce_s(self) -> float:
+        if self.start_debounce_s is not None:
+            return self.start_debounce_s
+        return 3.0 * float(self.host.config.heartbeat_s)
+
+    async def choose_epoch(self, after: Optional[Tuple[int, int]] = None, stopping: Optional[asyncio.Event] = None):
+        """The epoch to train on: the first time the host's current one (see the module docstring);
+        after leaving (``after`` = (epoch we left, iteration)), the next one that includes us again.
+        None when ``stopping`` is set while waiting for such a re-join."""
+        me = str(self.host.peer_id)
+        seen, since, said = None, time.monotonic(), None
+        while True:
+            epoch = self.host.current_epoch
+            if after is not None and epoch is not None and (
+                    epoch.epoch <= after[0] or int(epoch.start_iteration) < after[1]):
+                epoch = None  # not newer than the one we left, or it started before we left
+            if after is not None and stopping is not None and stopping.is_set():
+                return None
+            number = epoch.epoch if epoch is not None else None
+            if number != seen:
+                seen, since = number, time.monotonic()
+            joining = epoch is not None and int(epoch.start_iteration) > 0
+            if epoch is not None and me in epoch.members and (joining or len(epoch.members) >= self.min_members):
+                # a run in progress announced its boundary already; waiting would only make us late
+                if joining or time.monotonic() - since >= self.debounce_s:
+                    return epoch
+            elif epoch is not None and said != number:
+                said = number
+                self.log.info("training waits: epoch %d has %d members (need %d)%s", number, len(epoch.members),
+                              self.min_members, "" if me in epoch.members else ", not including this node")
+            await asyncio.sleep(self.poll_s)
+
+    async def confirm(self, epoch, start: int) -> None:
+        """Publish this node's pin, then wait until every member confirmed the same one."""
+        dht, me = self.host.dht, str(self.host.peer_id)
+        await write_start_record(dht, self.run_id, me, StartRecord(int(epoch.epoch), self.summary, int(start),
+                                                                   time.time()))
+        deadline = time.monotonic() + self.agreement_timeout_s
+        not_after = float(epoch.issued_at) - 5.0  # older confirmations belong to an earlier session
+        while True:
+            records = await read_start_records(dht, self.run_id) or {}
+            found = {p: r for p, r in records.items() if p in epoch.members and r.time >= not_after}
+            for peer, r in found.items():
+                if r.epoch != epoch.epoch:
+                    raise TrainingDisagreement(
+                        f"members disagree on the training epoch: {peer[-8:]} pinned epoch {r.epoch}, "
+                        f"this node epoch {epoch.epoch} (membership changed within the start debounce; "
+                        f"restart with --min-members = the number of nodes)")
+                diff = summary_differences(self.summary, r.config)
+                if diff:
+                    raise TrainingDisagreement(f"training configuration differs from {peer[-8:]}: " + "; ".join(diff))
+                if r.start != start:
+                    raise TrainingDisagreement(
+                        f"checkpoints disagree on the iteration to start from: {peer[-8:]} starts at "
+                        f"{r.start}, this node at {start} (use --resume on all nodes or none)")
+            if len(found) == len(epoch.members):
+                return
+            if time.monotonic() > deadline:
+                missing = [p[-8:] for p in epoch.members if p not in found]
+                raise TrainingStalled(f"members {missing} never confirmed epoch {epoch.epoch} "
+                                      f"within {self.agreement_timeout_s:.0f}s (are they running --train?)")
+            await asyncio.sleep(self.poll_s)
+
+    async def say_finished(self, last_iteration: int) -> None:
+        """Record in the DHT that this member finished the run (read by :meth:`run_finished`)."""
+        try:
+            await write_finished_record(self.host.dht, self.run_id, str(self.host.peer_id),
+                                        FinishedRecord(self.summary, int(last_iteration), time.time()))
+        except Exception:  # noqa: BLE001 - only late joiners read it; training is over either way
+            self.log.debug("could not record the finished run", exc_info=True)
+
+    async def run_finished(self) -> bool:
+        """Whether another member already finished this run (same configuration, so the same iterations)."""
+        try:
+            records = await read_finished_records(self.host.dht, self.run_id) or {}
+        except Exception:  # noqa: BLE001 - unknown: go on as before
+            return False
+        me = str(self.host.peer_id)
+        return any(not summary_differences(self.summary, r.config) for p, r in records.items() if p != me)
+
+    async def check_joining_config(self) -> None:
+        """A joiner skips the start barrier, but must still train with the run's hyper-parameters."""
+        me = str(self.host.peer_id)
+        records = await read_start_records(self.host.dht, self.run_id) or {}
+        for peer, record in [(p, r) for p, r in records.items() if p != me][:1]:
+            diff = summary_differences(self.summary, record.config)
+            if diff:
+                raise TrainingDisagreement(f"training configuration differs from {peer[-8:]}: " + "; ".join(diff))

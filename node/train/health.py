@@ -1,0 +1,86 @@
+"""Which peers a trainer may route microbatches through: the host's liveness view plus local suspicion.
+
+The host's view (an advert not expired, not OFFLINE) answers "is the peer there"; a send that fails
+or a norm that never comes makes this node *suspect* the peer for a while, like hivemind's
+blacklist of peers that failed an averaging round: the ban starts at ``ban_s`` and doubles on each
+repeat up to ``ban_max_s``. ``ban_s`` outlasts the advert TTL, so a dead peer is out of the view
+before its ban ends, and a live one that hiccupped is routed to again soon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable, Dict, Iterable, Optional, Set, Tuple
+
+from node.train.common import NodeLog
+
+__all__ = ["PeerHealth", "gone_peers"]
+
+logger = logging.getLogger(__name__)
+
+
+def gone_peers(peers, is_alive: Callable[[str], bool], absent_since: Dict[str, float], now: float,
+               grace_s: float) -> set:
+    """The ``peers`` that have been out of the view for at least ``grace_s`` (``now`` monotonic).
+
+    ``absent_since`` remembers when each peer was first seen absent and is updated in place: a peer
+    seen alive again is forgotten, so a momentary lapse never adds up with a later one.
+    """
+    gone = set()
+    for peer in peers:
+        if is_alive(peer):
+            absent_since.pop(peer, None)
+            continue
+        since = absent_since.setdefault(peer, now)
+        if now - since >= grace_s:
+            gone.add(peer)
+    return gone
+
+
+class PeerHealth:
+    """Liveness and suspicion of the other members, as one node sees them."""
+
+    def __init__(self, peer_id: str, *, alive: Optional[Callable[[str], bool]], self_alive: Callable[[], bool],
+                 ban_s: float, ban_max_s: float, metrics=None, node_name: Optional[str] = None):
+        """``alive(peer)``: the host's membership oracle; None = every member counts as alive until a
+        send to it fails. ``self_alive()``: False once this node was killed."""
+        self.peer_id = peer_id
+        #: the host's membership oracle; replaceable (tests hide a live peer from one node's view)
+        self.oracle = alive
+        self._self_alive = self_alive
+        self.ban_s, self.ban_max_s = ban_s, ban_max_s
+        self.metrics = metrics
+        self.log = NodeLog(logger, node_name)
+        self._bans: Dict[str, Tuple[float, float]] = {}  # peer -> (banned until, current back-off)
+        self._absent_since: Dict[str, float] = {}  # peer -> when this node first saw it out of the view
+
+    def is_alive(self, peer: str) -> bool:
+        if peer == self.peer_id:
+            return self._self_alive()
+        return self.oracle(peer) if self.oracle is not None else True
+
+    def suspected(self, peer: str) -> bool:
+        entry = self._bans.get(peer)
+        return entry is not None and entry[0] > time.monotonic()
+
+    def usable(self, peer: str) -> bool:
+        """This node, or a live peer that is not suspected: a peer new work may be routed through."""
+        return peer == self.peer_id or (self.is_alive(peer) and not self.suspected(peer))
+
+    def suspect(self, peer: str, why: str) -> None:
+        """Ban ``peer`` from new routes for a back-off that doubles on each repeat (capped)."""
+        if peer == self.peer_id:
+            return
+        _, backoff = self._bans.get(peer, (0.0, self.ban_s / 2))
+        backoff = min(self.ban_max_s, backoff * 2)
+        self._bans[peer] = (time.monotonic() + backoff, backoff)
+        self.log.warning("suspecting %s for %.0fs: %s", peer[-8:], backoff, why)
+        if self.metrics is not None:
+            with contextlib.suppress(Exception):  # metrics never break training
+                self.metrics.count_failure("suspect")
+
+    def gone(self, peers: Iterable[str], now: float, grace_s: float) -> Set[str]:
+        """The ``peers`` out of the view for ``grace_s`` or longer (see :func:`gone_peers`)."""
+        return gone_peers(peers, self.is_alive, self._absent_since, now, grace_s)

@@ -1,0 +1,90 @@
+"""What a trainer needs from the process that hosts it: the typed seam between training and the daemon.
+
+:class:`node.swarm.daemon.Daemon` satisfies :class:`TrainerHost` structurally (train may not import
+swarm: the layers go one way), with exactly these names; a test can pass any object that has them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, List, Optional, Protocol, Sequence, Tuple
+
+__all__ = ["TrainerHost", "TrainingMetrics", "HostRun", "HostConfig", "HostView"]
+
+
+class TrainingMetrics(Protocol):
+    """The metric series a trainer (and its data plane) reports; :class:`node.ops.metrics.NodeMetrics`."""
+
+    def set_iteration(self, iteration: int, loss: Optional[float] = None,
+                      tokens_per_s: Optional[float] = None) -> None: ...
+
+    def record_hop(self, peer: str, seconds: Optional[float], nbytes: int, direction: str) -> None: ...
+
+    def count_failure(self, kind: str) -> None: ...
+
+    def count_rejected(self, reason: str) -> None: ...
+
+    def count_reroute(self, n: int = 1) -> None: ...
+
+    def count_skip(self, n: int = 1) -> None: ...
+
+    def count_drop(self, n: int = 1) -> None: ...
+
+
+class HostRun(Protocol):
+    """The run's shape fixed by its founder (the stage count decides the model split)."""
+
+    num_stages: int
+
+
+class HostConfig(Protocol):
+    heartbeat_s: float  # the start debounce defaults to three heartbeats
+
+
+class HostAdvert(Protocol):
+    stages: Sequence[int]
+
+
+class HostViewEntry(Protocol):
+    peer_id: str
+    advert: HostAdvert
+
+
+class HostView(Protocol):
+    """The host's view of the swarm (who is ONLINE and which stages they hold)."""
+
+    def online(self) -> List[HostViewEntry]: ...
+
+    def get(self, peer_id: str) -> Any: ...
+
+
+class TrainerHost(Protocol):
+    """A swarm member a :class:`node.train.service.TrainerService` runs in."""
+
+    peer_id: str
+    p2p: Any  # hivemind P2P: the data plane and state transfer run on it
+    dht: Any  # hivemind DHT on the same p2pd: averaging and the per-member records
+    view: Optional[HostView]
+    metrics: Optional[TrainingMetrics]
+    run: Optional[HostRun]
+    config: HostConfig
+    #: the coordinator asks this for the iteration a new epoch should start at (None: not training)
+    training_progress: Optional[Callable[[float], Optional[int]]]
+    #: called with every schedule epoch the host adopts
+    on_schedule_epoch: List[Callable[[Any], Any]]
+
+    @property
+    def current_epoch(self) -> Any: ...  # the adopted protocol.ScheduleEpoch, or None
+
+    def register_rpc(self, name: str, method: Callable[[dict], Awaitable[Any]]) -> None: ...
+
+    async def ensure_connected(self, peer_id: str, timeout: float = ...) -> bool: ...
+
+    def peer_alive(self, peer_id: str) -> bool: ...
+
+    def verify_epoch(self, epoch: Any) -> bool: ...
+
+    async def fetch_epochs(self) -> List[Any]: ...
+
+    def link_estimate(self, a: str, b: str) -> Optional[Tuple[float, float]]: ...
+
+    def is_peer_allowed(self, peer_id: str) -> bool: ...

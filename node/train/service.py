@@ -1,0 +1,344 @@
+"""The trainer inside the daemon: a supervisor that agrees on the run, trains, re-joins and drains.
+
+``Daemon(config, services=[TrainerService(...)])`` starts it with the daemon as its
+:class:`node.train.host.TrainerHost`. The service pins an epoch and waits for the other members
+(:class:`node.train.agreement.RunAgreement`), builds a :class:`node.train.trainer.TrainerNode`
+on it and trains; when a newer epoch leaves this node out (a view that briefly lost it, a take-over
+coordinator) it waits for one that includes it again and re-joins with a fresh copy of its stage's
+state. On SIGTERM it drains: it keeps training until an epoch without it starts, so no in-flight
+microbatch is lost.
+
+Progress: the ``training`` RPC (``{"since": i, "limit": n}``) returns the state (a
+:class:`ServiceState` value), the pinned epoch, stage, committed iteration and recent
+:class:`node.train.common.IterationStats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from dataclasses import asdict, replace
+from typing import Callable, List, Optional
+
+import torch
+
+from node.errors import UserError
+from node.train.agreement import RunAgreement, training_summary
+from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
+from node.train.host import TrainerHost
+
+__all__ = ["TrainerService", "ServiceState"]
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceState(str, enum.Enum):
+    """What the service is doing; the values are what the ``training`` RPC reports."""
+
+    WAITING = "waiting"  # for an epoch to pin (or to re-join)
+    AGREEING = "agreeing"  # pinned; waiting for every member to confirm the same run
+    TRAINING = "training"
+    PAUSED = "paused"  # training, but a stage has no live replica (reported, never stored)
+    LEFT = "left"  # a newer epoch left this node out
+    DONE = "done"  # the run reached its last iteration
+    ERROR = "error"
+    STOPPED = "stopped"
+
+
+def _kill_own_process_group() -> None:
+    """Injected kill inside a daemon: die like a machine losing power, p2pd and DHT child included."""
+    import os
+    import signal
+
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TrainerService:
+    """Runs a :class:`TrainerNode` inside the daemon; implements its ``DaemonService`` protocol
+    (``async start(daemon)``, ``async stop()``)."""
+
+    def __init__(self, config: TrainerConfig, iterations: int, *, node_name: Optional[str] = None,
+                 on_iteration: Optional[Callable[[IterationStats], None]] = None, poll_s: float = 0.5,
+                 min_members: int = 1, start_debounce_s: Optional[float] = None,
+                 agreement_timeout_s: float = 600.0, threads: Optional[int] = None, emulation=None,
+                 faults=None, drain_timeout_s: float = 60.0):
+        self.emulation = emulation  # optional node.cli.emulation_args.EmulationSettings (peer locations: daemon view)
+        self.faults = faults  # optional node.testing.faults.FaultInjector (--inject)
+        #: SIGTERM: how long this node keeps training until an epoch without it starts, before leaving anyway
+        self.drain_timeout_s = drain_timeout_s
+        self.config, self.iterations = config, iterations
+        self.node_name, self.on_iteration, self.poll_s = node_name, on_iteration, poll_s
+        self.min_members, self.start_debounce_s = max(1, int(min_members)), start_debounce_s
+        self.agreement_timeout_s, self.threads = agreement_timeout_s, threads
+        self.log = NodeLog(logger, node_name)
+        self.trainer = None  # the TrainerNode of the current (or last) epoch
+        self.agreement: Optional[RunAgreement] = None
+        self.stop_grace_s = 6.0  # how long stop() lets the current iteration finish after draining
+        self.stop_timeout_s = self.drain_timeout_s + self.stop_grace_s  # the daemon waits this long for stop()
+        self.done = asyncio.Event()
+        self.error: Optional[BaseException] = None
+        self.state = ServiceState.WAITING
+        self.epoch = None  # the pinned ScheduleEpoch
+        self.start_iteration: Optional[int] = None
+        self.daemon: Optional[TrainerHost] = None
+        #: the training flags a joiner must pass (the founder's banner prints them); set by the CLI
+        self.join_flags: Optional[List[str]] = None
+        self._task: Optional[asyncio.Task] = None
+        self._history_before: List[IterationStats] = []  # iterations committed before a re-join
+        self._stopping = asyncio.Event()
+
+    async def start(self, daemon: TrainerHost) -> None:
+        self.daemon = daemon
+        if self.threads:
+            torch.set_num_threads(int(self.threads))
+        run = daemon.run
+        if run is not None and run.num_stages != self.config.model.n_stages:
+            # the run's stage count (founder's --num-stages, sent in hello) decides; layers per stage stay
+            self.log.info("model: %d stages for this run (instead of %d)", run.num_stages, self.config.model.n_stages)
+            self.config = replace(self.config, model=replace(self.config.model, n_stages=run.num_stages).validate())
+        self.agreement = RunAgreement(daemon, self.config.run_id, training_summary(self.config, self.iterations),
+                                      min_members=self.min_members, start_debounce_s=self.start_debounce_s,
+                                      agreement_timeout_s=self.agreement_timeout_s, poll_s=self.poll_s,
+                                      node_name=self.node_name)
+        daemon.register_rpc("training", self._rpc_training)
+        daemon.training_progress = self.switch_iteration
+        daemon.on_schedule_epoch.append(self._offer_epoch)
+        self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
+
+    def switch_iteration(self, lead_s: float = 0.0) -> Optional[int]:
+        """For the coordinator: the iteration a new epoch should start at (None before training).
+
+        After the last iteration it is the run's end, so an epoch issued then (for a late joiner)
+        says the run is over instead of looking like a fresh start (0) that would gather members
+        at the start barrier until it timed out."""
+        if self.state in (ServiceState.TRAINING, ServiceState.PAUSED) and self.trainer is not None:
+            return self.trainer.switch_iteration(lead_s)
+        if self.state is ServiceState.DONE:
+            return self.iterations
+        return None
+
+    def _offer_epoch(self, epoch) -> None:
+        if self.trainer is not None:
+            self.trainer.offer_epoch(epoch)
+
+    @property
+    def debounce_s(self) -> float:
+        if self.agreement is not None:
+            return self.agreement.debounce_s
+        return self.start_debounce_s if self.start_debounce_s is not None else 3.0  # 3 heartbeats of 1 s
+
+    def _on_iteration(self, stats: IterationStats) -> None:
+        metrics = self.daemon.metrics
+        if metrics is not None:
+            try:
+                metrics.set_iteration(stats.iteration, stats.loss, stats.tokens / max(stats.seconds, 1e-9))
+            except Exception:  # noqa: BLE001 - metrics never break training
+                self.log.debug("metrics update failed", exc_info=True)
+        if self.on_iteration is not None:
+            self.on_iteration(stats)
+
+    async def _main(self, daemon: TrainerHost) -> None:
+        try:
+            epoch = await self.agreement.choose_epoch()
+            first = True
+            while True:
+                try:
+                    left_at = await self._train_on(daemon, epoch, first)
+                except JoinFailed as e:
+                    # the replica we need is busy or gone: the coordinator will issue another epoch
+                    # (it starts later, so there is a newer state to fetch); try that one
+                    self.log.warning("%s; waiting for a later epoch to try again", e)
+                    left_at = max(int(epoch.start_iteration), 1)
+                first = False
+                if left_at is None:
+                    break
+                # left out of an epoch (a view that briefly lost us, a take-over coordinator): wait
+                # for one that includes us again and re-join it with a fresh copy of our stage's state
+                self.state = ServiceState.WAITING
+                self.log.info("waiting for a schedule epoch that includes this node again (left at iteration %d)",
+                              left_at)
+                epoch = await self.agreement.choose_epoch(after=(self.trainer.epoch.epoch, left_at),
+                                                          stopping=self._stopping)
+                await self.trainer.shutdown()
+                if epoch is None:  # stopped while waiting
+                    self.state = ServiceState.STOPPED
+                    break
+        except asyncio.CancelledError:
+            self.state = ServiceState.STOPPED
+            raise
+        except BaseException as e:
+            if isinstance(e, UserError):
+                self.log.error("training stopped: %s", e)
+            else:
+                self.log.exception("training stopped with an error")
+            self.error, self.state = e, ServiceState.ERROR
+        finally:
+            self.done.set()
+
+    async def _train_on(self, daemon: TrainerHost, epoch, first: bool) -> Optional[int]:
+        """Build a trainer on ``epoch`` (joining mid-run if it starts later than 0) and train.
+
+        Returns the iteration at which a newer epoch left this node out, if it should re-join later;
+        None when training is over (done, stopped, draining)."""
+        from node.train.trainer import TrainerNode
+
+        self.epoch, self.state = epoch, ServiceState.AGREEING
+        self.log.info("training pins schedule epoch %d (%d members)", epoch.epoch, len(epoch.members))
+        for peer in epoch.members:
+            if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
+                self.log.warning("cannot connect to schedule member %s yet", peer[-8:])
+        join_at = int(epoch.start_iteration) or None
+        past_end = join_at is not None and join_at >= self.iterations
+        if past_end or await self.agreement.run_finished():
+            # the coordinator plans for membership changes even after the run's last iteration, so a
+            # late joiner can be handed an epoch that starts past the end, or at 0 when it coordinates
+            # itself: no replica trains any more, and waiting for one (a state to download, a start
+            # barrier) would never end
+            if past_end:
+                await self.agreement.check_joining_config()
+            self.state = ServiceState.DONE
+            self.log.warning("the run ended at iteration %d before this node could join (epoch %d starts at "
+                             "iteration %d): nothing to train", self.iterations - 1, epoch.epoch, join_at or 0)
+            return None
+        pinned = epoch
+
+        def epoch_source():
+            return daemon.current_epoch or pinned
+
+        self.trainer = TrainerNode(
+            p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=lambda: pinned, config=self.config,
+            node_name=self.node_name, on_iteration=self._on_iteration, emulation=self._emulation(daemon),
+            alive=daemon.peer_alive, faults=self.faults, on_kill=_kill_own_process_group,
+            link_estimate=daemon.link_estimate, allow=daemon.is_peer_allowed, metrics=daemon.metrics,
+            join_at=join_at, verify_epoch=daemon.verify_epoch, fetch_epochs=daemon.fetch_epochs)
+        if not first and self._history_before:
+            self.trainer.history = list(self._history_before)
+        if join_at is not None:
+            await self.agreement.check_joining_config()
+            self.log.info("joining the run in progress at iteration %d (epoch %d)", join_at, epoch.epoch)
+        await self.trainer.setup()
+        self.trainer.follow_epochs(epoch_source)  # from now on: follow the daemon's adopted epochs
+        if first:
+            self.start_iteration = self.trainer.current_iteration
+        if join_at is None:
+            await self.agreement.confirm(epoch, self.trainer.current_iteration)
+        self.state = ServiceState.TRAINING
+        self.log.info("training stage %d from iteration %d to %d", self.trainer.stage, self.trainer.current_iteration,
+                      self.iterations)
+        await self.trainer.run(self.iterations)
+        await self.trainer.save_checkpoint()
+        self._history_before = list(self.trainer.history)
+        if self.trainer.left is not None:
+            self.state = ServiceState.LEFT
+            self.log.info("training left at iteration %d: %s", self.trainer.committed_iteration, self.trainer.left)
+            if not self.trainer.draining and not self.trainer.stop_requested \
+                    and self.trainer.current_iteration < self.iterations:
+                return self.trainer.current_iteration
+            return None
+        done = self.trainer.current_iteration >= self.iterations
+        self.state = ServiceState.DONE if done else ServiceState.STOPPED
+        self.log.info("training %s at iteration %d", self.state.value, self.trainer.committed_iteration)
+        if done:
+            await self.agreement.say_finished(self.iterations - 1)
+        return None
+
+    def _drain_pointless(self) -> Optional[str]:
+        """Why no epoch without us will come (so waiting for one is pointless), or None."""
+        view = self.daemon.view
+        if view is None or self.trainer is None or self.trainer.runtime is None:
+            return "no swarm view"
+        me = str(self.daemon.peer_id)
+        online = [e for e in view.online() if e.peer_id != me]
+        if not any(self.trainer.stage in e.advert.stages for e in online):
+            return f"no other ONLINE node holds stage {self.trainer.stage}"
+        if not any(0 in e.advert.stages for e in online):
+            return "no other ONLINE data node to coordinate"
+        return None
+
+    def _emulation(self, daemon: TrainerHost):
+        if self.emulation is None:
+            return None
+        from node.dataplane.emulation import daemon_peer_locations
+
+        return self.emulation.build(daemon_peer_locations(daemon))
+
+    def progress(self, since: int = -1, limit: int = 100) -> dict:
+        """The ``training`` RPC's answer: state, position and the iterations after ``since`` (at most ``limit``)."""
+        t = self.trainer
+        history = [asdict(s) for s in (t.history if t is not None else []) if s.iteration > since][-limit:]
+        state = self.state
+        if state is ServiceState.TRAINING and t is not None and t.paused_reason:
+            state = ServiceState.PAUSED
+        return {
+            "peer_id": str(self.daemon.peer_id) if self.daemon is not None else "",
+            "node_name": self.node_name,
+            "state": state.value,
+            "error": str(self.error) if self.error is not None else None,
+            "paused": t.paused_reason if t is not None else None,
+            "left": t.left if t is not None else None,
+            "draining": bool(t.draining) if t is not None else False,
+            "recovery": ({"reroutes": t.reroutes, "skips": t.skips, "resyncs": t.resyncs,
+                          "retried": sum(s.retried for s in t.history), "dropped": sum(s.dropped for s in t.history)}
+                         if t is not None else None),
+            # the epoch training runs on now (it changes at iteration boundaries), else the pinned one
+            "epoch": (t.epoch.epoch if t is not None and t.epoch is not None
+                      else self.epoch.epoch if self.epoch is not None else None),
+            "members": (len(t.members) if t is not None and t.epoch is not None
+                        else len(self.epoch.members) if self.epoch is not None else None),
+            "pinned_epoch": self.epoch.epoch if self.epoch is not None else None,
+            "min_members": self.min_members,
+            "stage": t.stage if t is not None and t.runtime is not None else None,
+            "is_data_node": bool(t.is_data_node) if t is not None and t.runtime is not None else None,
+            "start_iteration": self.start_iteration,
+            "committed_iteration": t.committed_iteration if t is not None else None,
+            "iterations": self.iterations,
+            "overcommits": t.overcommits if t is not None else 0,
+            "history": history,
+        }
+
+    async def _rpc_training(self, params: dict) -> dict:
+        try:
+            since = int(params.get("since", -1))
+            limit = max(1, int(params.get("limit", 100)))
+        except (TypeError, ValueError):
+            raise ValueError("since and limit must be integers") from None
+        return self.progress(since, limit)
+
+    async def stop(self) -> None:
+        """Graceful leave: keep training until an epoch without this node starts (the coordinator
+        issues one once our advert says DRAINING), so no in-flight microbatch is lost; after
+        ``drain_timeout_s`` finish the current iteration and leave anyway."""
+        self._stopping.set()
+        running = self._task is not None and not self._task.done()
+        if self.trainer is not None and self.state is ServiceState.TRAINING and running:
+            self.trainer.drain()
+            self.log.info("draining: training on until a schedule epoch without this node starts (at most %.0f s)",
+                          self.drain_timeout_s)
+            deadline = time.monotonic() + self.drain_timeout_s
+            while not self._task.done() and time.monotonic() < deadline:
+                reason = self._drain_pointless()
+                if reason:
+                    self.log.info("not draining: %s", reason)
+                    break
+                await asyncio.wait([self._task], timeout=0.5)
+            if self._task.done() and self.trainer.left is None:
+                self.log.info("draining ended: training reached its last iteration before an epoch "
+                              "without this node started")
+        if self.trainer is not None:
+            self.trainer.request_stop()
+        if self._task is not None and not self._task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=self.stop_grace_s)
+            except (asyncio.TimeoutError, Exception):
+                self._task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._task
+        if self.state in (ServiceState.WAITING, ServiceState.AGREEING, ServiceState.TRAINING):
+            self.state = ServiceState.STOPPED
+        if self.trainer is not None:
+            await self.trainer.shutdown()

@@ -1,0 +1,142 @@
+"""Where a stage's weights come from and go to: checkpoints, a joiner's download, the state server.
+
+A node resumes from its checkpoint (``--resume``); a node joining a run in progress takes the
+stage's weights and optimizer state from a live replica, else from its checkpoint, never silently
+from scratch; and every node serves its own state to joiners and to replicas that re-sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from node.train.checkpoint import CheckpointStore
+from node.train.common import JoinFailed, NodeLog
+
+if TYPE_CHECKING:
+    from node.train.trainer import TrainerNode
+
+__all__ = ["StageState"]
+
+logger = logging.getLogger(__name__)
+
+
+class StageState:
+    """Checkpoints, mid-run joins and the state server of one :class:`TrainerNode`."""
+
+    def __init__(self, node: "TrainerNode"):
+        self.node = node
+        self.cfg = node.cfg
+        self.log = NodeLog(logger, node.node_name)
+        self.checkpoints: Optional[CheckpointStore] = None
+        self.server = None
+        self.state_iteration = -1  # iteration the runtime's weights belong to (set on the compute thread)
+        self.last_saved = -1
+
+    def restore(self) -> bool:
+        """Open the checkpoint store and, with ``resume``, load the last checkpoint; True if one was loaded."""
+        node = self.node
+        if not self.cfg.checkpoint_dir:
+            return False
+        self.checkpoints = CheckpointStore(self.cfg.checkpoint_dir, self.cfg.run_id, node.stage, node.node_name)
+        if not self.cfg.resume:
+            return False
+        ckpt = self.checkpoints.load()
+        if ckpt is None:
+            return False
+        node.runtime.load_state_dict(ckpt.state)
+        node.committed_iteration = self.last_saved = self.state_iteration = ckpt.iteration
+        self.log.info("resumed stage %d at iteration %d", node.stage, ckpt.iteration)
+        return True
+
+    async def serve(self, allow=None) -> None:
+        """Hand this stage's state to joiners and re-syncing replicas."""
+        from node.dataplane.state_transfer import StateServer
+
+        self.server = StateServer(self.node.p2p, self.cfg.run_id, self._snapshot, allow=allow)
+        await self.server.start()
+
+    async def join(self, start: int, have_checkpoint: bool) -> None:
+        """Mid-run join: take the stage's weights and optimizer state from a live replica (committed
+        iteration ``start - 1``), else from our own checkpoint; never silently from scratch."""
+        from node.dataplane.state_transfer import StateTransferError, fetch_state
+
+        node = self.node
+        # live replicas first, but ask the others too: under load a live peer's advert can lapse for
+        # a moment, and a dead one only costs a failed dial
+        peers = sorted((p for p in node.epochs.replicas(node.stage) if p != node.peer_id),
+                       key=lambda p: not node.health.is_alive(p))
+        snap, error, peer = None, None, None
+        for attempt in range(1, self.cfg.state_fetch_attempts + 1):
+            try:
+                peer, snap = await fetch_state(node.p2p, self.cfg.run_id, peers, node.stage, start - 1,
+                                               timeout_s=self.cfg.state_fetch_timeout_s)
+                break
+            except StateTransferError as e:
+                error = e
+                # a live replica that is merely slow to commit ``start - 1`` (the swarm is busy with
+                # another failure) hands the state over later: ask again, a bounded number of times
+                if not any(node.health.is_alive(p) for p in peers) or attempt == self.cfg.state_fetch_attempts:
+                    break
+                self.log.warning("no state for stage %d yet (%s); asking again", node.stage, e)
+                await asyncio.sleep(1.0)
+        if snap is None:
+            if not have_checkpoint:
+                raise JoinFailed(f"{node.node_name}: cannot join stage {node.stage} at iteration {start}: {error}; "
+                                 "no checkpoint either (--checkpoint-dir DIR --resume)") from None
+            self.log.warning("%s; continuing from the checkpoint of iteration %d", error, node.committed_iteration)
+            node.committed_iteration = self.state_iteration = start - 1
+            node.current_iteration = start
+            return
+        state = await node.pipeline.compute(snap.state_dict)
+        await node.pipeline.compute(lambda: node.runtime.load_state_dict(state))
+        node.committed_iteration = self.state_iteration = snap.iteration
+        node.current_iteration = snap.iteration + 1
+        self.log.info("joined stage %d with the state of iteration %d from %s", node.stage, snap.iteration, peer[-8:])
+
+    async def _snapshot(self, stage: int, min_iteration: int):
+        """State server callback: this stage's state once iteration ``min_iteration`` is committed."""
+        from node.dataplane.state_transfer import StateSnapshot
+
+        node = self.node
+        if node.runtime is None or stage != node.stage:
+            raise ValueError(f"stage {stage} is not held here")
+        while self.state_iteration < min_iteration:
+            if node.closed:
+                raise ValueError("trainer is shutting down")
+            await asyncio.sleep(0.05)
+
+        def snap():
+            buf = io.BytesIO()
+            torch.save(node.runtime.state_dict(), buf)
+            return StateSnapshot(node.stage, self.state_iteration, node.runtime.checksum(), buf.getvalue())
+
+        return await node.pipeline.compute(snap)
+
+    async def save(self) -> None:
+        """Checkpoint the last committed iteration (once per iteration)."""
+        node = self.node
+        if self.checkpoints is None or node.committed_iteration < 0 or node.committed_iteration == self.last_saved:
+            return
+        assert node.runtime is not None
+        it = node.committed_iteration
+        state = await node.pipeline.compute(node.runtime.state_dict)
+        meta = {"run_id": self.cfg.run_id, "epoch": node.epoch.epoch, "model": self.cfg.model.to_dict(),
+                "peer_id": node.peer_id, "checksum": node.runtime.checksum(),
+                "data": dict(vars(node.cfg.data))}  # tokenizer + hash: what eval/export/generate read back
+        await node.pipeline.compute(lambda: self.checkpoints.save(it, state, meta))
+        self.last_saved = it
+
+    def due(self, it: int) -> bool:
+        """A periodic checkpoint is due after iteration ``it``."""
+        every = self.cfg.checkpoint_every
+        return self.checkpoints is not None and every > 0 and (it + 1) % every == 0
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+            self.server = None

@@ -1,0 +1,50 @@
+"""What the microbatch deadlines are built from: this stage's forward time and the links between members."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Tuple
+
+import torch
+
+__all__ = ["deadline_links", "measure_forward_s"]
+
+LinkEstimate = Callable[[str, str], Optional[Tuple[float, float]]]
+
+
+def deadline_links(emulation, measured: Optional[LinkEstimate], peer_id: str) -> Optional[LinkEstimate]:
+    """Link estimates for the deadlines: the emulated links when links are emulated (the measured
+    ones run over loopback and know nothing of the WAN the microbatches really cross), else measured."""
+    between = getattr(emulation, "link_between", None)
+    if between is None:
+        return measured
+
+    def estimate(a: str, b: str):
+        spec = between(a, b, peer_id)
+        if spec is not None:
+            return spec.latency_s, spec.bandwidth_Bps
+        return measured(a, b) if measured is not None else None
+
+    return estimate
+
+
+def measure_forward_s(runtime, cfg, stage: int, emulation=None) -> float:
+    """Seconds of one microbatch forward through this stage (padded when compute is emulated).
+
+    ``cfg`` is the :class:`node.train.common.TrainerConfig`; the probe tensors live on the stage's device."""
+    padder = getattr(emulation, "padder", None)
+    if padder is not None:
+        return padder.target_s("forward", cfg.data.microbatch_size, runtime.n_layers)
+    m, d = cfg.model, cfg.data
+    device = runtime.device
+    x = torch.randn(d.microbatch_size, d.seq_len, m.d_model, device=device)
+    times = []
+    with torch.no_grad():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            if stage == 0:
+                runtime.module.head_loss(x, torch.zeros(d.microbatch_size, d.seq_len, dtype=torch.long, device=device))
+            else:
+                runtime.module(x)
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[1]
