@@ -47,7 +47,7 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
                         "emulation (the --network-profile links and --compute-s-per-sample-per-layer this run "
                         "emulates, by each member's --location; link probes are not emulated)")
     p.add_argument("--schedule-budget", type=float, default=None, metavar="S",
-                   help="seconds the coordinator's path search may take per epoch (default 1)")
+                   help="safety cap in seconds on the coordinator's path search per epoch (default 15; the search stops on a work budget first)")
     p.add_argument("--memory-slots", type=int, default=DEFAULT_MEMORY_SLOTS, help="in-flight microbatches this node accepts")
     p.add_argument("--host-maddrs", nargs="+", default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
                    help="where p2pd listens (default %(default)s)")

@@ -28,7 +28,7 @@ from protocol.messages import ScheduleEpoch
 from scheduler.baselines import full_pipeline, random_skip
 from scheduler.cost import CostMatrix, ModelShape, cost_from_measurements
 from scheduler.errors import ScheduleError
-from scheduler.paths import schedule_paths
+from scheduler.paths import schedule_paths_report
 from scheduler.schedule import Schedule
 from scheduler.validate import validate_schedule
 
@@ -239,8 +239,11 @@ class Coordinator:
                 elif policy == "random":
                     schedule = random_skip(stages, cost, path_length, mb, self.memory, seed=number)
                 else:
-                    schedule = schedule_paths(stages, cost, path_length, mb, self.memory, seed=number,
-                                              budget_s=self.budget_s)
+                    schedule, report = schedule_paths_report(stages, cost, path_length, mb, self.memory,
+                                                             seed=number, budget_s=self.budget_s)
+                    if report.budget_hit:  # the schedule now depends on this machine's speed: say so
+                        logger.warning("epoch %d: path search stopped at its %.0f s safety cap", number,
+                                       self.budget_s)
                 validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())
                 return schedule.to_json()
 

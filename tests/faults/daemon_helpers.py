@@ -7,13 +7,17 @@ from typing import Callable, Dict, Iterable
 
 from node.testing.process_swarm import ProcessSwarm, training_state
 
-__all__ = ["training_state", "wait_for", "train_args"]
+__all__ = ["training_state", "wait_for", "train_args", "assert_each_step_committed_once"]
 
 
 def wait_for(swarm: ProcessSwarm, nodes: Iterable[int], predicate: Callable[[dict], bool], timeout: float,
-             what: str, poll_s: float = 1.0) -> Dict[int, dict]:
+             what: str, poll_s: float = 1.0, state_of: Callable = None) -> Dict[int, dict]:
     """Poll until ``predicate(state)`` holds for every node index in ``nodes``; fail on a training
-    error or a node that exits (with its last log line), or after ``timeout`` seconds."""
+    error or a node that exits (with its last log line), or after ``timeout`` seconds.
+
+    ``state_of(node)`` reads a node's ``training`` RPC (default :func:`training_state`; a swarm whose
+    nodes live in network namespaces passes its own)."""
+    state_of = state_of or (lambda node: training_state(node, limit=1000))
     want = list(nodes)
     deadline = time.monotonic() + timeout
     states: Dict[int, dict] = {}
@@ -21,7 +25,7 @@ def wait_for(swarm: ProcessSwarm, nodes: Iterable[int], predicate: Callable[[dic
         for i in want:
             node = swarm.nodes[i]
             assert node.alive, f"node {i} exited while waiting for {what}: {swarm.last_error(node)}"
-            s = training_state(node, limit=1000)
+            s = state_of(node)
             if s is not None:
                 states[i] = s
                 assert s.get("state") != "error", f"node {i} failed: {s.get('error')}"
@@ -39,3 +43,19 @@ def train_args(iterations: int, min_members: int, *extra: str) -> list:
             "--microbatches", "2", "--microbatch-size", "4", "--checkpoint-every", "0",
             "--iteration-timeout", "240", "--agreement-timeout", "300", "--log-level", "INFO", *extra]
 
+
+
+def assert_each_step_committed_once(done: Dict[int, dict], data_nodes: Iterable[int], survivors: Iterable[int],
+                                    iterations: int, context: str = "") -> None:
+    """Every step committed, none twice: by the data nodes together (one may have been left out of an
+    epoch for a while by a view that lost it under load, and re-joined), each in increasing order; every
+    survivor's history ends at the last iteration."""
+    committed = set()
+    for i in data_nodes:
+        its = [h["iteration"] for h in done[i]["history"]]
+        assert its == sorted(set(its)), f"data node {i} committed {its}; {context}"
+        committed |= set(its)
+    assert committed == set(range(iterations)), f"steps never committed: {set(range(iterations)) - committed}"
+    for i in survivors:
+        its = [h["iteration"] for h in done[i]["history"]]
+        assert its and its == sorted(set(its)) and its[-1] == iterations - 1, (i, its, context)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from node.testing.process_swarm import ProcessSwarm
-from tests.faults.daemon_helpers import train_args, training_state, wait_for
+from tests.faults.daemon_helpers import assert_each_step_committed_once, train_args, training_state, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -88,17 +88,7 @@ def test_kill_half_the_stage_nodes_then_add_two(tmp_path):
 
     context = f"plan (iteration, victim, delay) {plan}; killed at {log}"
     assert sorted(set(survivors)) == sorted(set(range(len(swarm.nodes))) - set(victims)), context
-    # every step committed, none twice: by the data nodes together (one may have been left out of an
-    # epoch for a while by a view that lost it under load, and re-joined), each in increasing order
-    committed = set()
-    for i in (0, 1):
-        its = [h["iteration"] for h in done[i]["history"]]
-        assert its == sorted(set(its)), f"data node {i} committed {its}; {context}"
-        committed |= set(its)
-    assert committed == set(range(ITERATIONS)), f"steps never committed: {set(range(ITERATIONS)) - committed}"
-    for i in survivors:
-        its = [h["iteration"] for h in done[i]["history"]]
-        assert its == sorted(set(its)) and its[-1] == ITERATIONS - 1, (i, its, context)
+    assert_each_step_committed_once(done, (0, 1), survivors, ITERATIONS, context)
     for i in fresh:
         assert joined[i]["start_iteration"] > 0, context
         assert done[i]["history"], f"fresh node {i} committed nothing; {context}"

@@ -10,13 +10,12 @@ nodes, the loss falls, every survivor finishes, and the namespaces are gone afte
 """
 
 import signal
-import time
 
 import pytest
 
 from node.net.rpc import call_http
 from node.testing.netns import NamespaceSwarm, NetnsLab, lab_leftovers, netns_unavailable, run_in_netns
-from tests.faults.daemon_helpers import train_args
+from tests.faults.daemon_helpers import assert_each_step_committed_once, train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,33 +29,17 @@ KILL_AT = 8
 RATE_MBIT = 50.0
 
 
-def _state(swarm, index):
-    node = swarm.nodes[index]
-    if not node.alive or not node.info:
-        return None
-    url = node.rpc_url  # 127.0.0.1 of the node's own namespace
-    try:
-        return run_in_netns(swarm.namespace_of(node), call_http, url, "training", {"limit": 1000}, timeout=10)
-    except Exception:  # noqa: BLE001 - a node that cannot answer right now
-        return None
-
-
-def _wait(swarm, nodes, predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    states = {}
-    while True:
-        for i in nodes:
-            assert swarm.nodes[i].alive, f"node {i} exited while waiting for {what}: {swarm.last_error(swarm.nodes[i])}"
-            s = _state(swarm, i)
-            if s is not None:
-                states[i] = s
-                assert s.get("state") != "error", f"node {i} failed: {s.get('error')}"
-        if len(states) == len(nodes) and all(predicate(states[i]) for i in nodes):
-            return states
-        assert time.monotonic() < deadline, (
-            f"timed out after {timeout:.0f} s waiting for {what}: "
-            f"{ {i: (s.get('state'), s.get('committed_iteration')) for i, s in states.items()} }")
-        time.sleep(2.0)
+def _state_in_namespace(swarm):
+    """A node's ``training`` RPC, read on the 127.0.0.1 of the node's own namespace."""
+    def state_of(node):
+        if not node.alive or not node.info:
+            return None
+        try:
+            return run_in_netns(swarm.namespace_of(node), call_http, node.rpc_url, "training", {"limit": 1000},
+                                timeout=10)
+        except Exception:  # noqa: BLE001 - a node that cannot answer right now
+            return None
+    return state_of
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces unavailable: {WHY_NOT}")
@@ -70,24 +53,19 @@ def test_daemons_on_their_own_addresses_survive_a_kill(tmp_path):
             for node in swarm.nodes:  # every node advertises its own address, not loopback
                 addresses = [m for m in node.info["maddrs"] if "/ip4/" in m]
                 assert addresses and all(f"/ip4/{lab.address(node.index)}/" in m for m in addresses), node.info
-            _wait(swarm, range(len(swarm.nodes)), lambda s: s.get("state") == "training", 600, "training to start")
-            _wait(swarm, [0, 1], lambda s: (s.get("committed_iteration") or -1) >= KILL_AT, 600,
-                  f"iteration {KILL_AT}")
+            state_of = _state_in_namespace(swarm)
+            wait_for(swarm, range(len(swarm.nodes)), lambda s: s.get("state") == "training", 600, "training to start",
+                     poll_s=2.0, state_of=state_of)
+            wait_for(swarm, [0, 1], lambda s: (s.get("committed_iteration") or -1) >= KILL_AT, 600,
+                     f"iteration {KILL_AT}", poll_s=2.0, state_of=state_of)
             swarm.kill(VICTIM, signal.SIGKILL)
             survivors = [n.index for n in swarm.nodes if n.index != VICTIM]
-            done = _wait(swarm, survivors, lambda s: s.get("state") == "done", 600, "training to finish")
+            done = wait_for(swarm, survivors, lambda s: s.get("state") == "done", 600, "training to finish",
+                            poll_s=2.0, state_of=state_of)
         finally:
             swarm.stop()
     assert lab_leftovers(LAB) == []
 
-    committed = set()
-    for i in (0, 1):
-        its = [h["iteration"] for h in done[i]["history"]]
-        assert its == sorted(set(its)), f"data node {i} committed {its}"
-        committed |= set(its)
-    assert committed == set(range(ITERATIONS)), f"steps never committed: {set(range(ITERATIONS)) - committed}"
-    for i in survivors:
-        its = [h["iteration"] for h in done[i]["history"]]
-        assert its and its == sorted(set(its)) and its[-1] == ITERATIONS - 1, (i, its)
+    assert_each_step_committed_once(done, (0, 1), survivors, ITERATIONS)
     losses = [h["loss"] for h in done[0]["history"]]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, f"loss did not fall: {losses}"
