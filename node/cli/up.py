@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from node.cli.emulation_args import (add_emulation_arguments, emulation_from_args, emulation_node_args,
                                   round_robin_emulation_for)
+from node.cli.validate import MAX_MEMORY_SLOTS, MAX_MICROBATCHES, float_range, int_range
 from node.errors import UserError
 from node.ops.plotting import load_pyplot
 
@@ -662,21 +663,21 @@ def register(subparsers) -> None:
         "up", help="train a tiny model on a local swarm (no flags needed)",
         description="Start a local swarm on 127.0.0.1 (bootstrap + data nodes + stage replicas), train the tiny "
                     "model on Shakespeare with stage skipping, write a loss curve and a summary, stop cleanly.")
-    p.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, help="total iterations (default %(default)s)")
+    p.add_argument("--iterations", type=int_range(1, 10**9), default=DEFAULT_ITERATIONS, help="total iterations (default %(default)s)")
     p.add_argument("--out", default="skippipe-up", help="output folder (default ./%(default)s)")
     p.add_argument("--model", default="tiny", choices=["tiny", "small", "500m"])
     p.add_argument("--corpus", default="shakespeare", choices=["shakespeare", "sotu"])
-    p.add_argument("--data-nodes", type=int, default=DEFAULT_DATA_NODES)
+    p.add_argument("--data-nodes", type=int_range(1, 64), default=DEFAULT_DATA_NODES)
     p.add_argument("--replicas", default=DEFAULT_REPLICAS,
                    help="replicas of stages 1..S-1, comma-separated or one number (default %(default)s)")
     p.add_argument("--path-length", type=int, default=DEFAULT_PATH_LENGTH,
                    help="stages per microbatch incl. stage 0 (default %(default)s; = stages for no skipping)")
-    p.add_argument("--microbatches", type=int, default=DEFAULT_MICROBATCHES, help="per data node per iteration")
-    p.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
-    p.add_argument("--memory", type=int, default=DEFAULT_MEMORY, help="in-flight microbatches per node")
-    p.add_argument("--lr", type=float, default=DEFAULT_LR)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=DEFAULT_MICROBATCHES, help="per data node per iteration")
+    p.add_argument("--microbatch-size", type=int_range(1, 65536), default=8, help="sequences per microbatch")
+    p.add_argument("--memory", type=int_range(1, MAX_MEMORY_SLOTS), default=DEFAULT_MEMORY, help="in-flight microbatches per node")
+    p.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=DEFAULT_LR)
+    p.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0)
+    p.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=10)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     p.add_argument("--scheduler", default="skippipe", choices=["skippipe", "builtin"],
                    help="paths from the SkipPipe path scheduler (default) or a fixed round-robin of stage subsets")
