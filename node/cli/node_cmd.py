@@ -190,6 +190,11 @@ def setup_logging(level: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from node.net.lifetime import install_fork_guard, parent_watchdog_from_env, tolerate_broken_stdio
+
+    tolerate_broken_stdio()  # a dead reader of our stdout must not break (or block) the clean stop
+    install_fork_guard()  # the forked DHT process (and any other forked child) dies with us
+    parent_watchdog_from_env()  # started by a harness: do not outlive it
     setup_logging(args.log_level)
     config = config_from_args(args)
     from node.cli.train_args import training_services_from_args

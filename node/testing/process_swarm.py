@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from node.errors import UserError
+from node.net.lifetime import PARENT_PID_ENV
 
 __all__ = ["LocalNode", "LocalSwarm", "stage_layout", "process_group_members"]
 
@@ -197,7 +198,7 @@ class LocalSwarm:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=self.env,
+                env={**self.env, PARENT_PID_ENV: str(os.getpid())},  # the daemon exits when this process dies
             )
         finally:
             log.close()
