@@ -33,8 +33,8 @@ import torch
 
 from node.errors import UserError
 
-__all__ = ["Checkpoint", "CheckpointStore", "CheckpointCorrupt", "atomic_torch_save", "read_checkpoint_file",
-           "clean_stray_temp_files", "FORMAT_VERSION"]
+__all__ = ["Checkpoint", "CheckpointStore", "CheckpointCorrupt", "CheckpointMismatch", "atomic_torch_save",
+           "read_checkpoint_file", "clean_stray_temp_files", "check_run_config", "FORMAT_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class CheckpointCorrupt(UserError, ValueError):
         self.path, self.reason = pathlib.Path(path), reason
         super().__init__(f"corrupt checkpoint {self.path}: {reason} (move it away to start this replica fresh, "
                          "or restore a good copy)")
+
+
+class CheckpointMismatch(UserError):
+    """A sound checkpoint of another run configuration (``--resume`` with other hyper-parameters)."""
 
 
 @dataclass
@@ -229,6 +233,22 @@ def clean_stray_temp_files(folder: os.PathLike, name: Optional[str] = None) -> L
     if removed:
         logger.info("removed %d stray checkpoint temp file(s) in %s", len(removed), folder)
     return removed
+
+
+def check_run_config(ckpt: Checkpoint, run_config: Dict[str, Any], path: os.PathLike,
+                     keys: Optional[List[str]] = None) -> None:
+    """Raise :class:`CheckpointMismatch` (one line naming ``path`` and the differing keys) when ``ckpt`` was
+    saved under another run configuration. Only ``keys`` are compared (default: all keys both have);
+    a checkpoint without a recorded configuration (format 1) passes."""
+    saved = ckpt.run_config
+    if saved is None:
+        return
+    names = keys if keys is not None else sorted(set(saved) & set(run_config))
+    differ = [k for k in names if saved.get(k) != run_config.get(k)]
+    if differ:
+        shown = ", ".join(f"{k}: {saved.get(k)!r} there, {run_config.get(k)!r} here" for k in differ[:5])
+        raise CheckpointMismatch(f"checkpoint {path} belongs to another run configuration ({shown}); "
+                                 "resume with the same settings or move it away")
 
 
 class CheckpointStore:

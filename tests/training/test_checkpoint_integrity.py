@@ -103,3 +103,15 @@ def test_eval_names_the_corrupt_file(tmp_path, capsys):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and str(store.path) in lines[0] and "Traceback" not in err
+
+
+def test_resume_under_another_run_config_names_file_and_keys(tmp_path):
+    from node.train.checkpoint import CheckpointMismatch, check_run_config
+
+    store = _saved(tmp_path, run_config={"lr": 1e-3, "seed": 0, "model": "tiny"})
+    ckpt = store.load()
+    check_run_config(ckpt, {"lr": 1e-3, "seed": 0, "model": "tiny", "new_key": 1}, store.path)  # same: passes
+    with pytest.raises(CheckpointMismatch) as info:
+        check_run_config(ckpt, {"lr": 2e-3, "seed": 0, "model": "tiny"}, store.path)
+    assert "lr" in str(info.value) and "seed" not in str(info.value)
+    _one_line_naming(info.value, store.path)
