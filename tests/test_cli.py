@@ -71,6 +71,10 @@ RUN = ["node", "run", "--rpc-port", "-1"]
     (["swarm", "status", "--timeout", "nan", "--rpc", "http://127.0.0.1:1"], "--timeout must be a finite number"),
     (["swarm", "local", "--nodes", "1000000"], "--nodes must be at most"),
     (["up", "--memory", "0"], "--memory must be at least 1"),
+    (RUN + ["--initial-peers", "not-a-maddr"], "not a multiaddr"),
+    (RUN + ["--initial-peers"] + ["/ip4/127.0.0.1/tcp/1"] * 65, "at most 64 multiaddrs"),
+    (["eval", "--checkpoint", ".", "--batches", "1000000000"], "--batches must be at most"),
+    (["eval", "--checkpoint", ".", "--omit-fraction", "0.5", "--trials", "1e9"], "--trials"),
 ])
 def test_bad_numbers_are_one_error_line(argv, needle, capsys):
     assert main(argv) == 2

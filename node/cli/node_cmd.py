@@ -16,6 +16,8 @@ __all__ = ["register", "add_node_run_arguments", "config_from_args", "emulated_l
 
 #: Bound on ``microbatches x path length^2`` of a run (the coordinator's path search grows with it).
 MAX_RUN_SCHEDULE_WORK = 65536
+#: Multiaddrs one flag accepts.
+MAX_MADDRS = 64
 #: Values of --schedule-policy (RunConfig.schedule_policy).
 SCHEDULE_POLICIES = ("skippipe", "full", "random")
 #: hivemind logs at INFO by default; the daemon's own INFO lines are what an operator wants.
@@ -38,7 +40,7 @@ def _stage_list(text: str) -> tuple[int, ...]:
 
 def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     """The ``node run`` flags (shared with commands that start daemons, e.g. ``skippipe up``)."""
-    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", type=maddr_list_item,
                    help="multiaddrs (ending in /p2p/<id>) of swarm members to join through")
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm (the default without --initial-peers)")
     group = p.add_mutually_exclusive_group()
@@ -121,6 +123,10 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    for flag, values in (("--initial-peers", args.initial_peers), ("--host-maddrs", args.host_maddrs),
+                         ("--announce-maddrs", args.announce_maddrs)):
+        if len(values) > MAX_MADDRS:
+            raise UserError(f"{flag}: at most {MAX_MADDRS} multiaddrs, got {len(values)}")
     if args.heartbeat <= 0:
         raise UserError("--heartbeat must be positive")
     if args.rpc_rate is not None and args.rpc_rate <= 0:

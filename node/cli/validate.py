@@ -18,7 +18,7 @@ import argparse
 import math
 from typing import Callable, Optional
 
-__all__ = ["float_range", "int_range", "port", "maddr_list_item", "check_file_size", "MAX_PLAN_NODES",
+__all__ = ["float_range", "int_range", "port", "maddr_list_item", "as_text", "check_file_size", "MAX_PLAN_NODES",
            "MAX_SIMULATED_MICROBATCHES", "MAX_PLAN_WORK", "plan_work", "MAX_STAGES", "MAX_NODES", "MAX_MICROBATCHES",
            "MAX_MEMORY_SLOTS", "MAX_THREADS", "MAX_DURATION_S"]
 
@@ -138,3 +138,14 @@ def check_file_size(path, what: str, limit: int = MAX_INPUT_FILE_BYTES) -> None:
 def plan_work(nodes: int, data_nodes: int, microbatches: int, path_length: int) -> int:
     """The size measure that :data:`MAX_PLAN_WORK` bounds."""
     return nodes * max(data_nodes, 1) * microbatches * path_length * path_length
+
+
+def as_text(check: Callable[[str], object]) -> Callable[[str], str]:
+    """Validate with ``check`` but keep the text (for options that travel on as strings)."""
+
+    def parse(text: str) -> str:
+        check(text)
+        return text
+
+    parse.__name__ = getattr(check, "__name__", "value")
+    return parse
