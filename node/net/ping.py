@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from typing import Callable, Optional
 
 from node.net.framing import FrameTooLarge, read_frame, write_frame
 
 __all__ = ["PING_PROTOCOL", "PING_ECHO_MAX_BYTES", "MAX_PING_FRAME_BYTES", "MAX_PING_FRAMES", "PING_FRAME_TIMEOUT_S",
-           "PingHandler"]
+           "PingHandler", "probe_link"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,3 +72,27 @@ class PingHandler:
             logger.debug("ping stream from %s failed", caller[-8:], exc_info=True)
         finally:
             writer.close()
+
+
+async def probe_link(p2p, peer_id, payload_bytes: int = 64 * 1024, samples: int = 3,
+                     frame_timeout_s: float = PING_FRAME_TIMEOUT_S) -> tuple[float, float]:
+    """(min RTT in ms, bandwidth in bytes/s) to ``peer_id`` (a hivemind ``PeerID``): ``samples`` echo pings, then
+    one ``payload_bytes`` frame acknowledged with one byte. The answers are read bounded (a hostile peer
+    answering with a huge frame costs nothing), each within ``frame_timeout_s``."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PING_PROTOCOL)
+    try:
+        rtts = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            await write_frame(writer, b"p")
+            await read_frame(reader, PING_ECHO_MAX_BYTES, frame_timeout_s)
+            rtts.append(time.perf_counter() - t0)
+        rtt = min(rtts)
+        payload = os.urandom(payload_bytes)
+        t0 = time.perf_counter()
+        await write_frame(writer, payload)
+        await read_frame(reader, PING_ECHO_MAX_BYTES, frame_timeout_s)
+        elapsed = time.perf_counter() - t0
+        return rtt * 1000.0, payload_bytes / max(elapsed - rtt, elapsed / 2, 1e-6)
+    finally:
+        writer.close()

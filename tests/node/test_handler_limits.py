@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, PeerID
 
 from node.dataplane.state_transfer import StateTransferError, fetch_state, state_handler_name
 from node.net.framing import read_frame, write_frame
-from node.net.ping import PING_PROTOCOL
+from node.net.ping import PING_PROTOCOL, probe_link
 from node.net.rpc import RPC_PROTOCOL, RpcCallError, call_p2p
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -156,6 +156,8 @@ def test_handlers_survive_huge_frames_garbage_and_stalls(tmp_path):
                 assert all(cut), dict(zip(protocols, cut))
                 # honest calls still work
                 assert await _ping(p2p, peer) == b"p"
+                rtt_ms, bandwidth = await probe_link(p2p, peer)
+                assert rtt_ms > 0 and bandwidth > 0
                 _, snap = await fetch_state(p2p, RUN_ID, [info["peer_id"]], 0, 3, timeout_s=60)
                 assert snap.iteration == 3 and len(snap.payload) == 1 << 20
                 assert await call_p2p(p2p, peer, "echo", {"x": 1}, timeout=30) == {"x": 1}
