@@ -9,6 +9,7 @@ arguments and returns an exit code. A :class:`node.errors.UserError` raised anyw
 from __future__ import annotations
 
 import argparse
+import re
 import importlib
 import sys
 from typing import Sequence
@@ -47,8 +48,17 @@ quick start:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one ``error: ...`` line (and exit 2) for a bad flag, like every other user error."""
+
+    def error(self, message: str):  # noqa: D102
+        # "argument --x: must be at least 1, got '0'" reads better as "--x must be at least 1, got '0'"
+        message = re.sub(r"^argument (-[-\w]+)(?:/-[-\w]+)*: must ", r"\1 must ", " ".join(str(message).split()))
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="skippipe", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"skippipe-swarm {__version__}")
@@ -66,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a bad flag (one error: line already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     tune_malloc()  # every command that moves activation frames benefits; see node.ops.memory
     if getattr(args, "func", None) is None:
         parser.print_help()

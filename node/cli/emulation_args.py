@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence, Union
 
+from node.cli.validate import float_range
 from node.errors import UserError
 from node.dataplane.emulation import Emulation, daemon_peer_locations
 
@@ -67,11 +68,11 @@ def add_emulation_arguments(parser: argparse.ArgumentParser, *, location: bool =
                         "this node's --location and the peer's (scheduler profile JSON)")
     if location:
         g.add_argument("--location", default=None, help="this node's location in --network-profile")
-    g.add_argument("--latency-scale", type=float, default=1.0, help="multiply profile latencies (default 1)")
-    g.add_argument("--bandwidth-scale", type=float, default=1.0, help="multiply profile bandwidths (default 1)")
-    g.add_argument("--hop-overhead-s", type=float, default=0.0,
+    g.add_argument("--latency-scale", type=float_range(0, 1e6), default=1.0, help="multiply profile latencies (default 1)")
+    g.add_argument("--bandwidth-scale", type=float_range(0, 1e6, lo_open=True), default=1.0, help="multiply profile bandwidths (default 1)")
+    g.add_argument("--hop-overhead-s", type=float_range(0, 3600.0), default=0.0,
                    help="fixed extra delay per emulated message, not occupying the link (default 0)")
-    g.add_argument("--compute-s-per-sample-per-layer", type=float, default=None, metavar="X",
+    g.add_argument("--compute-s-per-sample-per-layer", type=float_range(0, 3600.0), default=None, metavar="X",
                    help="pad each forward/backward/loss step to X x samples x layers x (1 / 1.5 / 0.25) seconds")
 
 

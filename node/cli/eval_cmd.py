@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from node.cli.validate import as_text, int_range
 from node.errors import UserError
 from node.ops.tables import text_table
 
@@ -228,16 +229,16 @@ def register(subparsers) -> None:
     p.add_argument("--keep-stages", metavar="0,S1,...", default=None, help="stages to keep (must include 0)")
     p.add_argument("--omit-fraction", metavar="F", default=None,
                    help="leave out round(F x stages) random non-zero stages, F in [0, 1)")
-    p.add_argument("--trials", metavar="T", default=None,
+    p.add_argument("--trials", metavar="T", default=None, type=as_text(int_range(1, 100_000)),
                    help=f"random subsets for --omit-fraction (default {DEFAULT_TRIALS}; all if fewer exist)")
-    p.add_argument("--seed", metavar="S", default=None, help="seed of the random subsets (default 0)")
-    p.add_argument("--batches", type=int, default=DEFAULT_BATCHES,
+    p.add_argument("--seed", metavar="S", default=None, type=as_text(int_range(0, 2**32 - 1)), help="seed of the random subsets (default 0)")
+    p.add_argument("--batches", type=int_range(1, 100_000), default=DEFAULT_BATCHES,
                    help=f"validation batches (default {DEFAULT_BATCHES})")
     p.add_argument("--corpus", default=None, help="validation corpus (default: the one the checkpoint records)")
     p.add_argument("--tokenizer", default=None, metavar="bytes|bpe:VOCAB|PATH",
                    help="the run's tokenizer (default: the one the checkpoint records; its hash must match)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: recorded, else context)")
-    p.add_argument("--microbatch-size", type=int, default=None, help="sequences per batch (default: recorded, else 8)")
+    p.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: recorded, else context)")
+    p.add_argument("--microbatch-size", type=int_range(1, 65536), default=None, help="sequences per batch (default: recorded, else 8)")
     p.add_argument("--branch-scale", metavar="P", default=None,
                    help="run stages 1.. with their residual branches scaled by P in (0, 1]: the stochastic-depth "
                         "inference rule for a skip-trained model, P = the share of microbatches that visited each "

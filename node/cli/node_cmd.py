@@ -9,9 +9,15 @@ from pathlib import Path
 
 from node.swarm.config import DEFAULT_HEARTBEAT_S, DEFAULT_HOST_MADDRS, DEFAULT_MEMORY_SLOTS, DEFAULT_RUN_ID, DaemonConfig, default_identity_path
 from node.errors import UserError
+from node.cli.validate import (MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range, maddr_list_item,
+                               port)
 
 __all__ = ["register", "add_node_run_arguments", "config_from_args", "emulated_location_cost", "SCHEDULE_POLICIES"]
 
+#: Bound on ``microbatches x path length^2`` of a run (the coordinator's path search grows with it).
+MAX_RUN_SCHEDULE_WORK = 65536
+#: Multiaddrs one flag accepts.
+MAX_MADDRS = 64
 #: Values of --schedule-policy (RunConfig.schedule_policy).
 SCHEDULE_POLICIES = ("skippipe", "full", "random")
 #: hivemind logs at INFO by default; the daemon's own INFO lines are what an operator wants.
@@ -19,26 +25,30 @@ HIVEMIND_LOG_LEVEL = "WARNING"
 
 
 def _stage_list(text: str) -> tuple[int, ...]:
+    if len(text) > 4096:
+        raise argparse.ArgumentTypeError("--stages: too long")
     try:
         stages = tuple(int(x) for x in text.split(",") if x.strip() != "")
     except ValueError:
         raise argparse.ArgumentTypeError(f"--stages wants comma-separated integers, got {text!r}") from None
     if not stages or any(s < 0 for s in stages):
         raise argparse.ArgumentTypeError(f"--stages wants non-negative integers, got {text!r}")
+    if any(s >= MAX_STAGES for s in stages):
+        raise argparse.ArgumentTypeError(f"--stages: a run has at most {MAX_STAGES} stages, got {text!r}")
     return stages
 
 
 def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     """The ``node run`` flags (shared with commands that start daemons, e.g. ``skippipe up``)."""
-    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", type=maddr_list_item,
                    help="multiaddrs (ending in /p2p/<id>) of swarm members to join through")
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm (the default without --initial-peers)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--stages", type=_stage_list, metavar="K[,K...]", help="stages this node holds, e.g. 0 or 2,3")
     group.add_argument("--auto", action="store_true", help="join the stage with the fewest replicas (default)")
-    p.add_argument("--num-stages", type=int, help="stages of the run (new swarm only; default max(--stages)+1, at least 2)")
-    p.add_argument("--path-length", type=int, help="stages each microbatch visits, stage 0 included (new swarm; default all)")
-    p.add_argument("--microbatches", type=int, default=2, help="microbatches per data node per iteration (new swarm)")
+    p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), help="stages of the run (new swarm only; default max(--stages)+1, at least 2)")
+    p.add_argument("--path-length", type=int_range(2, MAX_STAGES), help="stages each microbatch visits, stage 0 included (new swarm; default all)")
+    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=2, help="microbatches per data node per iteration (new swarm)")
     p.add_argument("--schedule-policy", default="skippipe", metavar="POLICY",
                    help="how epochs route microbatches (new swarm): skippipe (default), full (aligned full "
                         "pipelines, no skipping) or random (network-blind skipping); baselines for benchmarks")
@@ -46,33 +56,34 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="what the coordinator schedules for (new swarm): measured (link probes, default) or "
                         "emulation (the --network-profile links and --compute-s-per-sample-per-layer this run "
                         "emulates, by each member's --location; link probes are not emulated)")
-    p.add_argument("--schedule-budget", type=float, default=None, metavar="S",
-                   help="safety cap in seconds on the coordinator's path search per epoch (default 15; the search stops on a work budget first)")
-    p.add_argument("--memory-slots", type=int, default=DEFAULT_MEMORY_SLOTS, help="in-flight microbatches this node accepts")
-    p.add_argument("--host-maddrs", nargs="+", default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
+    p.add_argument("--schedule-budget", type=float_range(0, 3600.0, lo_open=True), default=None, metavar="S",
+                   help="safety cap in seconds on the coordinator's path search per epoch (default 15; the search "
+                        "stops on a work budget first)")
+    p.add_argument("--memory-slots", type=int_range(1, MAX_MEMORY_SLOTS), default=DEFAULT_MEMORY_SLOTS, help="in-flight microbatches this node accepts")
+    p.add_argument("--host-maddrs", nargs="+", type=maddr_list_item, default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
                    help="where p2pd listens (default %(default)s)")
-    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR", help="public addresses to advertise")
-    p.add_argument("--gossip-port", type=int, default=0, help="TCP port of the gossip host (default: ephemeral)")
+    p.add_argument("--announce-maddrs", nargs="+", type=maddr_list_item, default=[], metavar="MADDR", help="public addresses to advertise")
+    p.add_argument("--gossip-port", type=port(allow_zero=True), default=0, help="TCP port of the gossip host (default: ephemeral)")
     p.add_argument("--identity", type=Path, default=None,
                    help=f"RSA identity file, created on first use (default {default_identity_path()})")
     p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="name of the training run (default %(default)s)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--location", default=None, help="free-form location label shown to peers")
-    p.add_argument("--rpc-port", type=int, default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
-    p.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S,
+    p.add_argument("--rpc-port", type=port(allow_zero=True, allow_off=True), default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
+    p.add_argument("--heartbeat", type=float_range(0.05, 3600.0), default=DEFAULT_HEARTBEAT_S,
                    help="seconds between advert re-announcements (default %(default)s)")
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE",
                    help="shared secret of a private swarm; peers without it cannot advertise, gossip or send data")
     p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE",
                    help="allowlist of peer ids (one per line, # comments); others are ignored")
-    p.add_argument("--rpc-rate", type=float, default=None, metavar="REQ_PER_S",
+    p.add_argument("--rpc-rate", type=float_range(0, 1e6, lo_open=True), default=None, metavar="REQ_PER_S",
                    help="per-peer RPC rate limit, libp2p and HTTP (default 20/s over libp2p, 50/s over HTTP)")
-    p.add_argument("--rpc-burst", type=float, default=None, metavar="N",
+    p.add_argument("--rpc-burst", type=float_range(1, 1e9), default=None, metavar="N",
                    help="per-peer RPC burst allowance (default 2 s worth of --rpc-rate)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     # Hidden knobs for tests and the local-swarm launcher.
     p.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--protocol-version", type=int_range(0, 2**31 - 1), default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-access-handshake", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -133,6 +144,10 @@ def _has_no_vocab(path) -> bool:
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    for flag, values in (("--initial-peers", args.initial_peers), ("--host-maddrs", args.host_maddrs),
+                         ("--announce-maddrs", args.announce_maddrs)):
+        if len(values) > MAX_MADDRS:
+            raise UserError(f"{flag}: at most {MAX_MADDRS} multiaddrs, got {len(values)}")
     if args.heartbeat <= 0:
         raise UserError("--heartbeat must be positive")
     if args.rpc_rate is not None and args.rpc_rate <= 0:
@@ -151,6 +166,14 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     budget = getattr(args, "schedule_budget", None)
     if budget is not None and budget <= 0:
         raise UserError("--schedule-budget must be positive")
+    if args.num_stages is not None and args.stages is not None and max(args.stages) >= args.num_stages:
+        raise UserError(f"--stages {','.join(map(str, args.stages))} needs --num-stages > {max(args.stages)}")
+    stages_guess = args.num_stages or (max(args.stages) + 1 if args.stages else 2)
+    path_length = args.path_length or stages_guess
+    if args.microbatches * path_length * path_length > MAX_RUN_SCHEDULE_WORK:
+        raise UserError(f"--microbatches {args.microbatches} x path length {path_length} squared is over "
+                        f"{MAX_RUN_SCHEDULE_WORK}: the coordinator could not schedule an epoch in time; "
+                        "use fewer microbatches or a shorter --path-length")
     location_cost = emulated_location_cost(args)
     if args.device == "cuda":
         import torch
@@ -194,6 +217,11 @@ def setup_logging(level: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from node.net.lifetime import install_fork_guard, parent_watchdog_from_env, tolerate_broken_stdio
+
+    tolerate_broken_stdio()  # a dead reader of our stdout must not break (or block) the clean stop
+    install_fork_guard()  # the forked DHT process (and any other forked child) dies with us
+    parent_watchdog_from_env()  # started by a harness: do not outlive it
     setup_logging(args.log_level)
     config = config_from_args(args)
     from node.cli.train_args import training_services_from_args

@@ -12,6 +12,9 @@ import json
 import sys
 import time
 
+from node.cli.validate import (MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, MAX_PLAN_NODES, MAX_SIMULATED_MICROBATCHES,
+                               MAX_PLAN_WORK, plan_work,
+                               check_file_size, float_range, int_range)
 from node.errors import UserError
 from scheduler.allocation import allocate
 from scheduler.compare import compare_variants
@@ -38,12 +41,16 @@ LABELS = {
 
 
 def _int_list(text: str) -> list[int]:
+    if len(text) > 4096:
+        raise argparse.ArgumentTypeError("list too long")
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not out:
         raise argparse.ArgumentTypeError("expected at least one integer")
+    if len(out) > MAX_STAGES or any(x > MAX_PLAN_NODES for x in out):
+        raise argparse.ArgumentTypeError(f"at most {MAX_STAGES} entries of at most {MAX_PLAN_NODES}, got {text[:100]!r}")
     return out
 
 
@@ -56,23 +63,23 @@ def register(subparsers) -> None:
         "(collision awareness) and SkipPipe.",
     )
     p.add_argument("--profile", required=True, metavar="FILE", help="location profile: a shipped name (geo-distributed-12) or a JSON file (latency ms, bandwidth GiB/s)")
-    p.add_argument("--nodes", type=int, required=True, help="number of nodes (assigned to locations round-robin)")
+    p.add_argument("--nodes", type=int_range(1, MAX_PLAN_NODES), required=True, help="number of nodes (assigned to locations round-robin)")
     p.add_argument("--stage-sizes", type=_int_list, required=True, metavar="N0,N1,...", help="replicas per stage; stage 0 = data nodes")
-    p.add_argument("--path-length", type=int, required=True, help="stages each microbatch visits, stage 0 included")
-    p.add_argument("--microbatches", type=int, default=6, help="microbatches per data node per iteration (default 6)")
-    p.add_argument("--samples", type=int, default=8, help="samples per microbatch (default 8)")
-    p.add_argument("--layers-per-stage", type=int, default=4, help="layers per stage (default 4)")
-    p.add_argument("--d-model", type=int, default=1024, help="hidden size (default 1024)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
-    p.add_argument("--bytes-per-element", type=int, default=4, help="activation bytes per element (default 4, fp32)")
-    p.add_argument("--memory", type=int, default=3, help="in-flight microbatches per node (default 3)")
-    p.add_argument("--hop-overhead-s", type=float, default=CostParams().hop_overhead_s, help="fixed seconds per transfer (default 0.35)")
-    p.add_argument("--max-swaps", type=int, default=RouteLimits().max_swaps, help="reorderings per route (default 2)")
-    p.add_argument("--max-jump", type=int, default=RouteLimits().max_jump, help="largest forward stage jump (default 4)")
+    p.add_argument("--path-length", type=int_range(1, MAX_STAGES), required=True, help="stages each microbatch visits, stage 0 included")
+    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=6, help="microbatches per data node per iteration (default 6)")
+    p.add_argument("--samples", type=int_range(1, 1 << 16), default=8, help="samples per microbatch (default 8)")
+    p.add_argument("--layers-per-stage", type=int_range(1, 1 << 12), default=4, help="layers per stage (default 4)")
+    p.add_argument("--d-model", type=int_range(1, 1 << 20), default=1024, help="hidden size (default 1024)")
+    p.add_argument("--seq-len", type=int_range(1, 1 << 24), default=1024, help="tokens per sample (default 1024)")
+    p.add_argument("--bytes-per-element", type=int_range(1, 16), default=4, help="activation bytes per element (default 4, fp32)")
+    p.add_argument("--memory", type=int_range(1, MAX_MEMORY_SLOTS), default=3, help="in-flight microbatches per node (default 3)")
+    p.add_argument("--hop-overhead-s", type=float_range(0, 3600.0), default=CostParams().hop_overhead_s, help="fixed seconds per transfer (default 0.35)")
+    p.add_argument("--max-swaps", type=int_range(0, 64), default=RouteLimits().max_swaps, help="reorderings per route (default 2)")
+    p.add_argument("--max-jump", type=int_range(1, MAX_STAGES), default=RouteLimits().max_jump, help="largest forward stage jump (default 4)")
     p.add_argument("--locations", default=None, metavar="A,B,...", help="location of each node instead of round-robin")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    p.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0, help="seed of every random choice (default 0)")
     p.add_argument(
-        "--budget-s", type=float, default=DEFAULT_WALL_CAP_S, metavar="S",
+        "--budget-s", type=float_range(0, 1e6, lo_open=True), default=DEFAULT_WALL_CAP_S, metavar="S",
         help="wall-clock safety cap for allocation + path search (default %(default)g). The searches are bounded by "
         "work, so the same inputs and seed give the same schedule; if the cap cuts one short the result depends on "
         "machine speed and the output says so",
@@ -90,7 +97,7 @@ def register(subparsers) -> None:
         "iteration time and per-node utilisation. Invalid schedules are rejected naming the violated constraint.",
     )
     s.add_argument("schedule", metavar="SCHEDULE.json")
-    s.add_argument("--microbatches", type=int, default=None, help="require this many microbatches per data node")
+    s.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=None, help="require this many microbatches per data node")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.set_defaults(func=run_simulate)
 
@@ -104,7 +111,9 @@ def _profile_path(name_or_path: str) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        profile = LinkProfile.load(_profile_path(args.profile))
+        profile_path = _profile_path(args.profile)
+        check_file_size(profile_path, "--profile")
+        profile = LinkProfile.load(profile_path)
         locations = [x.strip() for x in args.locations.split(",")] if args.locations else None
         nodes = nodes_round_robin(profile, args.nodes, args.memory, locations)
         shape = ModelShape(args.layers_per_stage, args.d_model, args.seq_len, args.samples, args.bytes_per_element)
@@ -115,6 +124,10 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise UserError(f"{name} must be >= 1")
         if args.budget_s <= 0:
             raise UserError("--budget-s must be > 0")
+        work = plan_work(args.nodes, args.stage_sizes[0], args.microbatches, args.path_length)
+        if work > MAX_PLAN_WORK:
+            raise UserError(f"plan too large to search: nodes x data nodes x microbatches x path length^2 = {work} "
+                            f"(at most {MAX_PLAN_WORK}); use fewer nodes, data nodes, microbatches or a shorter path")
         cost = build_cost(nodes, profile, shape, CostParams(hop_overhead_s=args.hop_overhead_s))
         limits = RouteLimits(max_swaps=args.max_swaps, max_jump=args.max_jump)
         t0 = time.perf_counter()
@@ -126,6 +139,8 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     except ScheduleError as e:
         raise UserError(str(e)) from None
+    except UnicodeDecodeError:
+        raise UserError(f"--profile {args.profile} is not a JSON text file") from None
     t_paths = cmp.variants["skippipe"].wall_s
     S = len(args.stage_sizes)
     hit_in = [name for name, hit in (("allocation", alloc.budget_hit), ("path search", cmp.report.budget_hit)) if hit]
@@ -196,11 +211,18 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    check_file_size(args.schedule, "schedule")
     try:
         sched = load_schedule(args.schedule)
+        total = sum(p.microbatches for p in sched.paths)
+        if total > MAX_SIMULATED_MICROBATCHES or len(sched.paths) > MAX_SIMULATED_MICROBATCHES:
+            raise UserError(f"invalid schedule {args.schedule}: {total} microbatches in {len(sched.paths)} path entries; "
+                            f"at most {MAX_SIMULATED_MICROBATCHES} can be simulated")
         validate_schedule(sched, microbatches_per_data_node=args.microbatches)
     except ScheduleError as e:
         raise UserError(f"invalid schedule {args.schedule}: {e}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"invalid schedule {args.schedule}: not a JSON text file") from None
     if sched.cost is None:
         raise UserError(f"invalid schedule {args.schedule}: cost: no 'cost' (compute_s, link_s) to simulate with")
     res = simulate(sched)

@@ -10,6 +10,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from node.cli.validate import MAX_STAGES, float_range, int_range
 from node.errors import UserError
 
 __all__ = ["register", "fetch_status", "format_status"]
@@ -129,6 +130,20 @@ def format_status(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _http_url(text: str) -> str:
+    """``--rpc``: an http(s) URL with a host (anything else would reach urllib as garbage)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a URL: {text!r} ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or len(text) > 2048:
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT, got {text[:100]!r}")
+    return text
+
+
 def _status(args: argparse.Namespace) -> int:
     if not args.peer and not args.rpc:
         raise UserError("pass --rpc http://127.0.0.1:PORT or --peer MADDR")
@@ -149,6 +164,8 @@ def _local(args: argparse.Namespace) -> int:
             sizes = [int(x) for x in args.stage_sizes.split(",")]
         except ValueError:
             raise UserError(f"--stage-sizes wants comma-separated integers, got {args.stage_sizes!r}") from None
+        if len(sizes) > MAX_STAGES:
+            raise UserError(f"--stage-sizes: at most {MAX_STAGES} stages")
     base = Path(args.base_dir) if args.base_dir else Path(tempfile.mkdtemp(prefix="skippipe-local-"))
     swarm = ProcessSwarm(
         args.nodes,
@@ -188,20 +205,20 @@ def register(subparsers) -> None:
 
     status = sub.add_parser("status", help="peers, stages, states, links and schedule as one node sees them")
     where = status.add_mutually_exclusive_group()
-    where.add_argument("--rpc", metavar="URL", help="a local daemon's HTTP RPC, e.g. http://127.0.0.1:PORT")
+    where.add_argument("--rpc", metavar="URL", type=_http_url, help="a local daemon's HTTP RPC, e.g. http://127.0.0.1:PORT")
     where.add_argument("--peer", metavar="MADDR", help="any node's multiaddr (ending in /p2p/<id>), over libp2p")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the node")
+    status.add_argument("--timeout", type=float_range(0, 3600.0, lo_open=True), default=10.0, help="seconds to wait for the node")
     status.set_defaults(func=_status)
 
     local = sub.add_parser("local", help="start N daemons on 127.0.0.1 until Ctrl+C")
-    local.add_argument("--nodes", type=int, required=True)
+    local.add_argument("--nodes", type=int_range(1, 256), required=True)
     local.add_argument("--stage-sizes", help="nodes per stage, e.g. 2,1,1 (default: two stages)")
-    local.add_argument("--path-length", type=int, default=None)
+    local.add_argument("--path-length", type=int_range(2, MAX_STAGES), default=None)
     local.add_argument("--run-id", default="local")
-    local.add_argument("--heartbeat", type=float, default=1.0)
+    local.add_argument("--heartbeat", type=float_range(0.05, 3600.0), default=1.0)
     local.add_argument("--base-dir", help="where identities and logs go (default: a new temp dir)")
-    local.add_argument("--start-timeout", type=float, default=120.0)
+    local.add_argument("--start-timeout", type=float_range(0, 24 * 3600.0, lo_open=True), default=120.0)
     local.add_argument("node_args", nargs=argparse.REMAINDER,
                        help="after --, extra arguments for every `skippipe node run`")
     local.set_defaults(func=_local)

@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
+from node.cli.validate import MAX_DURATION_S, MAX_NODES, MAX_THREADS, float_range, int_range
 from node.errors import UserError
 
 __all__ = ["add_training_arguments", "add_model_data_arguments", "model_and_data_from_args",
@@ -90,26 +91,26 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (with --train)")
     g.add_argument("--train", action="store_true", help="run a trainer for this node's stage inside the daemon")
     add_model_data_arguments(g)
-    g.add_argument("--iterations", type=int, default=DEFAULT_TRAIN_ITERATIONS,
+    g.add_argument("--iterations", type=int_range(1, 10**9), default=DEFAULT_TRAIN_ITERATIONS,
                    help="iterations to train in total (default %(default)s)")
     g.add_argument("--checkpoint-dir", type=Path, default=None, help="folder for this node's checkpoints")
-    g.add_argument("--checkpoint-every", type=int, default=10, help="iterations between checkpoints (0 = at exit only)")
+    g.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=10, help="iterations between checkpoints (0 = at exit only)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    g.add_argument("--min-members", type=int, default=1,
+    g.add_argument("--min-members", type=int_range(1, MAX_NODES), default=1,
                    help="start training only on a schedule epoch with at least this many members")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3)")
-    g.add_argument("--seed", type=int, default=0, help="model initialisation and data order seed")
-    g.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
-    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
+    g.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=None, help="AdamW learning rate (default 1e-3)")
+    g.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0, help="model initialisation and data order seed")
+    g.add_argument("--microbatch-size", type=int_range(1, 65536), default=8, help="sequences per microbatch")
+    g.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
-    g.add_argument("--threads", type=int, default=None, help="torch threads of this process")
-    g.add_argument("--iteration-timeout", type=float, default=600.0,
+    g.add_argument("--threads", type=int_range(1, MAX_THREADS), default=None, help="torch threads of this process")
+    g.add_argument("--iteration-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=600.0,
                    help="seconds an iteration may take before training stops as stalled")
-    g.add_argument("--start-debounce", type=float, default=None,
+    g.add_argument("--start-debounce", type=float_range(0, MAX_DURATION_S), default=None,
                    help="seconds the schedule epoch must stay current before training pins it (default 3 heartbeats)")
-    g.add_argument("--agreement-timeout", type=float, default=600.0,
+    g.add_argument("--agreement-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=600.0,
                    help="seconds to wait for every member of the pinned epoch to confirm it")
-    g.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+    g.add_argument("--drain-timeout", type=float_range(0, MAX_DURATION_S), default=60.0, metavar="S",
                    help="on SIGTERM keep training until a schedule epoch without this node starts, at most "
                         "this long, so no in-flight microbatch is lost (default %(default)s)")
     g.add_argument("--inject", action="append", default=[], metavar="SPEC",

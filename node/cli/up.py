@@ -13,6 +13,7 @@ import pathlib
 import signal
 
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
+from node.cli.validate import MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range
 from node.cli.up_runners import (DEFAULT_DATA_NODES, DEFAULT_ITERATIONS, DEFAULT_LR, DEFAULT_MEMORY,
                                  DEFAULT_MICROBATCHES, DEFAULT_PATH_LENGTH, DEFAULT_REPLICAS, UpOptions, run_up,
                                  run_up_swarm)
@@ -66,24 +67,24 @@ def register(subparsers) -> None:
         "up", help="train a tiny model on a local swarm (no flags needed)",
         description="Start a local swarm on 127.0.0.1 (bootstrap + data nodes + stage replicas), train the tiny "
                     "model on Shakespeare with stage skipping, write a loss curve and a summary, stop cleanly.")
-    p.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, help="total iterations (default %(default)s)")
+    p.add_argument("--iterations", type=int_range(1, 10**9), default=DEFAULT_ITERATIONS, help="total iterations (default %(default)s)")
     p.add_argument("--out", default="skippipe-up", help="output folder (default ./%(default)s)")
     from node.cli.train_args import add_model_data_arguments
 
     add_model_data_arguments(p)  # --model, --model-config, --corpus, --text-field, --tokenizer: as node run
-    p.add_argument("--num-stages", type=int, default=None,
+    p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), default=None,
                    help="pipeline stages (default: the model's, 6 for the named sizes); as node run --num-stages")
-    p.add_argument("--data-nodes", type=int, default=DEFAULT_DATA_NODES)
+    p.add_argument("--data-nodes", type=int_range(1, 64), default=DEFAULT_DATA_NODES)
     p.add_argument("--replicas", default=DEFAULT_REPLICAS,
                    help="replicas of stages 1..S-1, comma-separated or one number (default %(default)s)")
-    p.add_argument("--path-length", type=int, default=DEFAULT_PATH_LENGTH,
+    p.add_argument("--path-length", type=int_range(1, MAX_STAGES), default=DEFAULT_PATH_LENGTH,
                    help="stages per microbatch incl. stage 0 (default %(default)s; = stages for no skipping)")
-    p.add_argument("--microbatches", type=int, default=DEFAULT_MICROBATCHES, help="per data node per iteration")
-    p.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
-    p.add_argument("--memory", type=int, default=DEFAULT_MEMORY, help="in-flight microbatches per node")
-    p.add_argument("--lr", type=float, default=DEFAULT_LR)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=DEFAULT_MICROBATCHES, help="per data node per iteration")
+    p.add_argument("--microbatch-size", type=int_range(1, 65536), default=8, help="sequences per microbatch")
+    p.add_argument("--memory", type=int_range(1, MAX_MEMORY_SLOTS), default=DEFAULT_MEMORY, help="in-flight microbatches per node")
+    p.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=DEFAULT_LR)
+    p.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0)
+    p.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=10)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     p.add_argument("--scheduler", default="skippipe", choices=["skippipe", "builtin"],
                    help="paths from the SkipPipe path scheduler (default) or a fixed round-robin of stage subsets")

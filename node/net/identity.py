@@ -41,6 +41,8 @@ __all__ = [
     "verify_rsa_signature",
 ]
 
+#: An RSA identity file is about 1.2 KiB; anything much larger is not one (and is not read into memory).
+MAX_IDENTITY_FILE_BYTES = 64 << 10
 #: Bytes of an Ed25519 seed (the gossip key file holds exactly this).
 ED25519_SEED_BYTES = 32
 
@@ -79,12 +81,20 @@ def load_or_create_identity(path: Path) -> NodeIdentity:
         path.parent.mkdir(parents=True, exist_ok=True)
         P2P.generate_identity(str(path))
     try:
+        if path.stat().st_size > MAX_IDENTITY_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_IDENTITY_FILE_BYTES} bytes, not an identity key")
         raw = path.read_bytes()
-        proto = crypto_pb2.PrivateKey.FromString(raw)
+        try:
+            proto = crypto_pb2.PrivateKey.FromString(raw)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError (not a ValueError) on garbage
+            raise ValueError("not a libp2p private key file") from None
         if proto.key_type != crypto_pb2.KeyType.RSA:
             raise ValueError("not an RSA key")
-        key = _LoadedRSAPrivateKey(proto.data)
-        peer_id = PeerID.from_identity(raw)
+        try:
+            key = _LoadedRSAPrivateKey(proto.data)
+            peer_id = PeerID.from_identity(raw)
+        except Exception:  # noqa: BLE001 - cryptography raises several kinds on a damaged key
+            raise ValueError("damaged RSA key") from None
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read identity {path}: {e} (delete it to create a new one)") from None
     return NodeIdentity(path=path, private_key=key, peer_id=peer_id)
@@ -101,7 +111,10 @@ def load_or_create_gossip_key(path: Path) -> KeyPair:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
         with os.fdopen(fd, "wb") as f:
             f.write(seed)
-    seed = path.read_bytes()
+    try:
+        seed = path.read_bytes() if path.stat().st_size <= MAX_IDENTITY_FILE_BYTES else b""
+    except OSError as e:
+        raise UserError(f"cannot read gossip key {path}: {e.strerror or e}") from None
     if len(seed) != ED25519_SEED_BYTES:
         raise UserError(f"gossip key {path} is corrupt (expected {ED25519_SEED_BYTES} bytes); delete it")
     return create_new_key_pair(seed)

@@ -54,6 +54,12 @@ logger = logging.getLogger(__name__)
 RPC_PROTOCOL = "skippipe/rpc/1"
 #: Largest RPC request/response accepted over libp2p or HTTP.
 MAX_RPC_BYTES = 8 * 2**20
+#: Largest HTTP request body (JSON) accepted on the local endpoint.
+MAX_HTTP_BODY_BYTES = 1 << 20
+#: Deepest nesting of arrays/objects accepted in an HTTP JSON body (deeper: 400, not a RecursionError).
+MAX_JSON_DEPTH = 32
+#: Methods that answer a libp2p caller that is not (yet) a member when access control is on.
+PUBLIC_P2P_METHODS = frozenset({"hello"})
 #: Seconds a client waits for an answer by default.
 DEFAULT_RPC_TIMEOUT_S = 10.0
 #: Seconds a client may take to send one whole request (slow or stalled clients are cut off).
@@ -110,6 +116,10 @@ class RpcServer:
         self.p2p_limiter = p2p_limiter
         self.http_limiter = http_limiter
         self._on_request = on_request
+        #: ``allow(peer_id) -> bool`` (``Daemon.is_peer_allowed``): when set, libp2p callers it refuses
+        #: get only :data:`PUBLIC_P2P_METHODS` (the join handshake); everything else is "access denied".
+        self.allow_p2p: Callable[[str], bool] | None = None
+        self.public_p2p_methods = PUBLIC_P2P_METHODS
         self._last_log: dict[tuple[str, str], float] = {}
 
     def register_http_route(self, path: str, route: HttpRoute) -> None:
@@ -172,10 +182,15 @@ class RpcServer:
                     self._log_bad_input(caller, "malformed request", str(e))
                     response = RpcResponse(ok=False, result=None, error=f"bad request: {e}")
                 else:
-                    params = dict(request.params or {})
-                    params[CALLER_PARAM] = caller
-                    response = await self.dispatch(request.method, params)
-                    self._count("p2p", "ok" if response.ok else "error")
+                    if self._p2p_refused(caller, request.method):
+                        self._count("p2p", "error")
+                        self._log_bad_input(caller, "refused", f"{request.method!r} from a non-member")
+                        response = RpcResponse(ok=False, result=None, error="access denied: not a member of this swarm")
+                    else:
+                        params = dict(request.params or {})
+                        params[CALLER_PARAM] = caller
+                        response = await self.dispatch(request.method, params)
+                        self._count("p2p", "ok" if response.ok else "error")
             await _write_frame(writer, encode(response))
         except asyncio.CancelledError:
             raise
@@ -186,6 +201,14 @@ class RpcServer:
             logger.exception("rpc stream from %s failed", caller)
         finally:
             writer.close()
+
+    def _p2p_refused(self, caller: str, method: str) -> bool:
+        if self.allow_p2p is None or method in self.public_p2p_methods:
+            return False
+        try:
+            return not self.allow_p2p(caller)
+        except Exception:  # noqa: BLE001 - an access check that fails refuses
+            return True
 
     # ------------------------------------------------------------------ HTTP
     async def start_http(self, host: str, port: int) -> int:
@@ -218,11 +241,11 @@ class RpcServer:
                 try:
                     reply = await asyncio.wait_for(self._serve_http(reader), REQUEST_READ_TIMEOUT_S)
                 except (ValueError, UnicodeError, json.JSONDecodeError, asyncio.IncompleteReadError,
-                        asyncio.LimitOverrunError, asyncio.TimeoutError) as e:  # fmt: skip
+                        asyncio.LimitOverrunError, asyncio.TimeoutError, RecursionError) as e:  # fmt: skip
                     self._count("http", "malformed")
                     self._log_bad_input(client, "malformed http request", repr(e))
                     early = True
-                    reply = (400, {"ok": False, "result": None, "error": f"bad request: {e}"})
+                    reply = (400, {"ok": False, "result": None, "error": f"bad request: {_one_line(e)}"})
                 if isinstance(reply, HttpReply):
                     status, content_type, body, payload = reply.status, reply.content_type, reply.body, None
                     self._count("http", "ok" if status < 400 else "error")
@@ -277,10 +300,10 @@ class RpcServer:
                 return await route(params)
             method = url.path.strip("/")
         elif verb == "POST":
-            length = int(headers.get("content-length", "0"))
-            if not 0 <= length <= MAX_RPC_BYTES:
-                raise ValueError("bad or too large content-length")
-            body = json.loads((await reader.readexactly(length)).decode() or "{}")
+            length = int(headers.get("content-length", "0")[:20])
+            if not 0 <= length <= MAX_HTTP_BODY_BYTES:
+                raise ValueError(f"bad content-length or body over {MAX_HTTP_BODY_BYTES} bytes")
+            body = load_json_bounded((await reader.readexactly(length)).decode() or "{}")
             if not isinstance(body, dict):
                 raise ValueError("body must be {'method': str, 'params': {...}}")
             method = body.get("method") if url.path.strip("/") == "rpc" else url.path.strip("/")
@@ -295,6 +318,27 @@ class RpcServer:
         if not response.ok and response.error and response.error.startswith("unknown method"):
             status = 404
         return status, {"ok": response.ok, "result": response.result, "error": response.error}
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:300]
+
+
+def load_json_bounded(text: str, max_depth: int = MAX_JSON_DEPTH):
+    """``json.loads`` that refuses nesting deeper than ``max_depth`` with a ValueError (never a RecursionError)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
+    stack = [(value, 1)]
+    while stack:  # iterative: the check itself cannot recurse
+        obj, depth = stack.pop()
+        if isinstance(obj, (dict, list)):
+            if depth > max_depth:
+                raise ValueError(f"JSON nested deeper than {max_depth} levels")
+            stack.extend((child, depth + 1) for child in (obj.values() if isinstance(obj, dict) else obj))
+    return value
 
 
 async def _drain_unread(reader: asyncio.StreamReader) -> None:
@@ -362,9 +406,12 @@ async def call_p2p(
 def call_http(url: str, method: str, params: dict | None = None, timeout: float = DEFAULT_RPC_TIMEOUT_S) -> Any:
     """Blocking HTTP JSON call (for the CLI); raises :class:`RpcCallError`."""
     body = json.dumps({"method": method, "params": params or {}}).encode()
-    request = urllib.request.Request(
-        url.rstrip("/") + "/rpc", data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
+    try:
+        request = urllib.request.Request(
+            url.rstrip("/") + "/rpc", data=body, headers={"Content-Type": "application/json"}, method="POST"
+        )
+    except ValueError as e:
+        raise RpcCallError(f"cannot reach {url}: {e}") from None
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             payload = json.loads(resp.read().decode())

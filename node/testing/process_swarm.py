@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 from node.errors import UserError
 from node.net.rpc import call_http
 from node.testing.procs import process_group_members
+from node.net.lifetime import PARENT_PID_ENV
 
 __all__ = ["ProcessNode", "ProcessSwarm", "stage_layout", "process_group_members", "training_state"]
 
@@ -198,7 +199,7 @@ class ProcessSwarm:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=self.env,
+                env={**self.env, PARENT_PID_ENV: str(os.getpid())},  # the daemon exits when this process dies
             )
         finally:
             log.close()

@@ -63,3 +63,53 @@ def test_status_of_nothing():
 def test_status_without_target():
     proc = run_cli("swarm", "status")
     _assert_one_error(proc, "--rpc")
+
+
+# --------------------------------------------------------------------------- files and numbers that used to crash or hang
+GEO = "tests/scheduler/data/geo-distributed-12.json"
+
+
+def test_garbage_identity_file(tmp_path):
+    (tmp_path / "id.key").write_bytes(b"garbage\n" + bytes(range(256)))
+    proc = run_cli("node", "run", "--stages", "0", "--rpc-port", "-1", "--identity", str(tmp_path / "id.key"))
+    _assert_one_error(proc, str(tmp_path / "id.key"))
+
+
+def test_binary_profile_to_plan(tmp_path):
+    (tmp_path / "p.json").write_bytes(bytes(range(128, 256)) * 8)
+    proc = run_cli("plan", "--profile", str(tmp_path / "p.json"), "--nodes", "4", "--stage-sizes", "2,2",
+                   "--path-length", "2")  # fmt: skip
+    _assert_one_error(proc, "not a JSON text file")
+
+
+def test_binary_file_to_simulate(tmp_path):
+    (tmp_path / "s.json").write_bytes(bytes(range(128, 256)) * 8)
+    proc = run_cli("simulate", str(tmp_path / "s.json"))
+    _assert_one_error(proc, "not a JSON text file")
+
+
+def test_simulate_a_billion_microbatches_is_refused_up_front(tmp_path):
+    import json
+
+    doc = {"stages": [[0], [1], [2]], "path_length": 2, "memory": 1,
+           "paths": [{"data_node": 0, "route": [0, 1], "microbatches": 500_000_000},
+                     {"data_node": 0, "route": [0, 2], "microbatches": 500_000_000}],
+           "cost": {"compute_s": [0.1, 0.1, 0.1], "link_s": [[0.0, 0.1, 0.1], [0.1, 0.0, 0.1], [0.1, 0.1, 0.0]]}}
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    proc = run_cli("simulate", str(tmp_path / "s.json"), timeout=60)  # it used to run for hours
+    _assert_one_error(proc, "can be simulated")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("node", "run", "--gossip-port", "-5"), "--gossip-port must be a TCP port"),
+    (("node", "run", "--gossip-port", "70000"), "--gossip-port must be a TCP port"),
+    (("node", "run", "--num-stages", "1000000"), "--num-stages must be at most"),
+    (("swarm", "status", "--rpc", "garbage"), "http://HOST:PORT"),
+    (("plan", "--profile", GEO, "--nodes", "1000000", "--stage-sizes", "2,2", "--path-length", "2"), "--nodes"),
+    (("plan", "--profile", GEO, "--nodes", "4", "--stage-sizes", "2,2", "--path-length", "2", "--microbatches",
+      "1000000000"), "--microbatches"),
+])
+def test_bad_numbers_through_the_real_cli(tmp_path, args, needle):
+    proc = run_cli(*args, "--identity", str(tmp_path / "id.key")) if args[0] == "node" else run_cli(*args)
+    _assert_one_error(proc, needle)
+    assert proc.returncode == 2

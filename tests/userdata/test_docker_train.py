@@ -9,7 +9,7 @@ from node.cli import build_parser
 from node.ops.join_command import training_join_flags
 
 COMPOSE = pathlib.Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
-PREFIX = {"bootstrap": ["--new-swarm"], "node": ["--initial-peers", "/dns4/bootstrap/tcp/31337/p2p/QmX"]}
+PREFIX = {"bootstrap": ["--new-swarm"], "node": ["--initial-peers", "/dns4/bootstrap/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]}
 
 
 def test_compose_swarm_trains_with_one_set_of_flags():

@@ -6,7 +6,7 @@ import types
 from node.cli import build_parser
 from node.ops.join_command import join_command_lines, join_lines_for_daemon, training_join_flags
 
-MADDR = "/ip4/10.0.0.1/tcp/31337/p2p/QmFounder"
+MADDR = "/ip4/10.0.0.1/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 SHARED = ("train", "model", "model_config", "corpus", "text_field", "tokenizer", "iterations", "lr", "seed",
           "microbatch_size", "seq_len", "min_members", "checkpoint_dir", "checkpoint_every", "run_id")
 

@@ -1,0 +1,117 @@
+"""Checkpoints carry a content hash and the run config; a damaged one is refused with one line naming the file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from node.errors import UserError
+from node.train.checkpoint import (HEADER_BYTES, CheckpointCorrupt, CheckpointStore, clean_stray_temp_files,
+                                   read_checkpoint_file)
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 64, generator=g), "b": torch.zeros(64)}, "optimizer": {"step": 3}}
+
+
+def _saved(tmp_path, **kw) -> CheckpointStore:
+    store = CheckpointStore(tmp_path, "run", 1, "node-a")
+    store.save(7, _state(), {"run_id": "run", "checksum": 1.5}, **kw)
+    return store
+
+
+def _one_line_naming(e: BaseException, path) -> None:
+    text = str(e)
+    assert str(path) in text and "\n" not in text, text
+
+
+def test_round_trip_carries_hash_and_run_config(tmp_path):
+    store = _saved(tmp_path, run_config={"lr": 1e-3, "model": "tiny"})
+    ckpt = store.load()
+    assert ckpt.iteration == 7 and ckpt.stage == 1 and ckpt.meta["checksum"] == 1.5
+    assert ckpt.run_config == {"lr": 1e-3, "model": "tiny"}
+    assert ckpt.sha256 is not None and len(ckpt.sha256) == 64
+    assert torch.equal(ckpt.state["model"]["w"], _state()["model"]["w"])
+
+
+@pytest.mark.parametrize("where", ["body_middle", "body_end", "header_hash", "header_length"])
+def test_flipped_bytes_are_refused(tmp_path, where):
+    store = _saved(tmp_path)
+    data = bytearray(store.path.read_bytes())
+    index = {"body_middle": HEADER_BYTES + (len(data) - HEADER_BYTES) // 2, "body_end": len(data) - 1,
+             "header_hash": HEADER_BYTES - 1, "header_length": 16 + 8 + 7}[where]
+    data[index] ^= 0x01
+    store.path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt) as info:
+        store.load()
+    assert isinstance(info.value, UserError) and info.value.path == store.path
+    _one_line_naming(info.value, store.path)
+
+
+@pytest.mark.parametrize("keep", [0, 10, HEADER_BYTES, HEADER_BYTES + 100, -1])
+def test_truncated_checkpoints_are_refused(tmp_path, keep):
+    store = _saved(tmp_path)
+    data = store.path.read_bytes()
+    store.path.write_bytes(data[:keep] if keep >= 0 else data[:-1])
+    with pytest.raises(CheckpointCorrupt) as info:
+        store.load()
+    _one_line_naming(info.value, store.path)
+
+
+def test_foreign_file_is_refused(tmp_path):
+    store = CheckpointStore(tmp_path, "run", 1, "node-a")
+    store.path.parent.mkdir(parents=True)
+    store.path.write_bytes(os.urandom(4096))
+    with pytest.raises(CheckpointCorrupt):
+        store.load()
+
+
+def test_format_1_checkpoints_still_load(tmp_path):
+    store = CheckpointStore(tmp_path, "run", 2, "old")
+    store.path.parent.mkdir(parents=True)
+    torch.save({"format": 1, "iteration": 4, "stage": 2, "state": _state(), "meta": {}}, store.path)
+    ckpt = store.load()
+    assert ckpt.iteration == 4 and ckpt.sha256 is None and ckpt.run_config is None
+
+
+def test_stray_temp_files_are_cleaned_at_the_first_save(tmp_path):
+    store = CheckpointStore(tmp_path, "run", 1, "node-a")
+    folder = store.path.parent
+    folder.mkdir(parents=True)
+    mine = folder / "node-a.pt.abc123.tmp"
+    other = folder / "node-b.pt.xyz.tmp"  # another replica's: not ours to touch
+    mine.write_bytes(b"half a checkpoint")
+    other.write_bytes(b"someone else's")
+    store.save(1, _state())
+    assert not mine.exists() and other.exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["node-a.pt", "node-b.pt.xyz.tmp"]
+    assert clean_stray_temp_files(folder) == [other] and not other.exists()
+    read_checkpoint_file(store.path)  # the real one is untouched
+
+
+def test_eval_names_the_corrupt_file(tmp_path, capsys):
+    from node.cli import main
+
+    store = _saved(tmp_path)
+    data = bytearray(store.path.read_bytes())
+    data[-10] ^= 0xFF
+    store.path.write_bytes(bytes(data))
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and str(store.path) in lines[0] and "Traceback" not in err
+
+
+def test_resume_under_another_run_config_names_file_and_keys(tmp_path):
+    from node.train.checkpoint import CheckpointMismatch, check_run_config
+
+    store = _saved(tmp_path, run_config={"lr": 1e-3, "seed": 0, "model": "tiny"})
+    ckpt = store.load()
+    check_run_config(ckpt, {"lr": 1e-3, "seed": 0, "model": "tiny", "new_key": 1}, store.path)  # same: passes
+    with pytest.raises(CheckpointMismatch) as info:
+        check_run_config(ckpt, {"lr": 2e-3, "seed": 0, "model": "tiny"}, store.path)
+    assert "lr" in str(info.value) and "seed" not in str(info.value)
+    _one_line_naming(info.value, store.path)
