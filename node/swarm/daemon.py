@@ -64,7 +64,8 @@ from node.swarm.coordinator import DEFAULT_BANDWIDTH_Bps, Coordinator, RunConfig
 from node.swarm.gossip import GossipService
 from node.swarm.gossip_access import GossipAccessControl
 from node.swarm.handshake import choose_stages, founding_run_config, handshake
-from node.swarm.link_prober import PING_PROTOCOL, PROBE_TIMEOUT_S, LinkProber, answer_ping
+from node.net.ping import PING_PROTOCOL, PingHandler
+from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
 from node.swarm.rpc_api import DaemonRpcApi
 from node.swarm.startup import measure_compute_speed
@@ -119,6 +120,8 @@ class Daemon:
         self.run: RunConfig | None = None
         self.stages: tuple[int, ...] = ()
         self.state = NodeState.JOINING
+        #: why a service could not go on (:meth:`report_failure`); None while all is well
+        self.failure: str | None = None
         self.phase = Phase.CREATED
         self.compute_s_per_sample_per_layer = 0.0
         self.maddrs: list[str] = []
@@ -196,6 +199,19 @@ class Daemon:
     async def probe_link(self, peer_id: str) -> tuple[float, float | None]:
         """(min RTT in ms, bandwidth in bytes/s) to ``peer_id`` over our p2pd."""
         return await self.prober.probe(peer_id)
+
+    async def report_failure(self, reason: str) -> None:
+        """A service cannot go on (e.g. a checkpoint failed verification): advertise OFFLINE and say goodbye,
+        so the swarm leaves this node out of the next epoch and never re-syncs from its state; the process
+        stays up so ``swarm status`` and the ``training`` RPC show ``reason``."""
+        self.failure = reason
+        self.log.error("this node can no longer take part: %s", reason)
+        self.state = NodeState.OFFLINE  # every later heartbeat advertises it too
+        if self.adverts is None or self.membership is None:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.membership.announce(), timeout=GOODBYE_TIMEOUT_S)
+            self.membership.publish_event("leave")
 
     def peer_alive(self, peer_id: str) -> bool:
         """Membership as the view sees it: an unexpired advert that does not say OFFLINE."""
@@ -278,6 +294,7 @@ class Daemon:
             "run_id": self.config.run_id,
             "run": self.run.to_json() if self.run else None,
             "state": str(self.state),
+            "failure": self.failure,
             "stages": list(self.stages),
             "maddrs": list(self.maddrs),
             "gossip_maddrs": self.gossip_maddrs(),
@@ -359,12 +376,14 @@ class Daemon:
         self.compute_s_per_sample_per_layer = await loop.run_in_executor(None, measure_compute_speed, cfg.device)
         self.p2p = await startup.create_p2p(cfg)
         self.maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
+        # with a swarm key, libp2p callers that are not members get only the join handshake
+        self.rpc.allow_p2p = self.is_peer_allowed if self.access.enabled else None
         await self.rpc.attach_p2p(self.p2p)
 
     async def _join(self) -> None:
         """The run configuration (handshake or founding), the DHT, the view and our stages."""
         cfg = self.config
-        await self.p2p.add_binary_stream_handler(PING_PROTOCOL, answer_ping)
+        await self.p2p.add_binary_stream_handler(PING_PROTOCOL, PingHandler(allow=self.is_peer_allowed))
         if cfg.initial_peers:
             self.run = await handshake(self.p2p, cfg, self.access, self.peer_id, self.protocol_version,
                                        self._initial_ids, self.log)

@@ -63,15 +63,21 @@ class InProcessSwarm:
         hivemind = import_hivemind()
         if self.threads_per_node:
             torch.set_num_threads(self.threads_per_node)
+        from node.net.lifetime import install_fork_guard
+        from node.net.p2pd import own_session
+
+        install_fork_guard()  # the DHT processes forked below die with this process, even on SIGKILL
         loop = asyncio.get_running_loop()
         local = ["/ip4/127.0.0.1/tcp/0"]
-        self._bootstrap = await hivemind.p2p.P2P.create(host_maddrs=local)
+        with own_session():  # and so does every p2pd
+            self._bootstrap = await hivemind.p2p.P2P.create(host_maddrs=local)
         self._bootstrap_dht = await loop.run_in_executor(
             None, lambda: hivemind.DHT(p2p=self._bootstrap, start=True))
         initial = [str(a) for a in await self._bootstrap.get_visible_maddrs()]
 
         async def make_node():
-            p2p = await hivemind.p2p.P2P.create(host_maddrs=local, initial_peers=initial)
+            with own_session():
+                p2p = await hivemind.p2p.P2P.create(host_maddrs=local, initial_peers=initial)
             dht = await loop.run_in_executor(None, lambda: hivemind.DHT(p2p=p2p, initial_peers=initial, start=True))
             return p2p, dht
 

@@ -177,6 +177,9 @@ class TrainerService:
             else:
                 self.log.exception("training stopped with an error")
             self.error, self.state = e, ServiceState.ERROR
+            if self.daemon is not None:  # the swarm must stop counting on this node (and on its state)
+                with contextlib.suppress(Exception):
+                    await self.daemon.report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)
         finally:
             self.done.set()
 

@@ -14,8 +14,16 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from node.train.checkpoint import CheckpointStore
+from node.train.checkpoint import CheckpointStore, check_run_config
 from node.train.common import JoinFailed, NodeLog
+
+
+def checkpoint_run_config(cfg) -> dict:
+    """What a checkpoint must have been trained under to be resumed here: the model, the data (corpus,
+    tokenizer and its hash) and the initialisation seed. The learning rate may change between sessions."""
+    from dataclasses import asdict
+
+    return {"run_id": cfg.run_id, "model": cfg.model.to_dict(), "data": asdict(cfg.data), "seed": cfg.seed}
 
 if TYPE_CHECKING:
     from node.train.trainer import TrainerNode
@@ -45,9 +53,10 @@ class StageState:
         self.checkpoints = CheckpointStore(self.cfg.checkpoint_dir, self.cfg.run_id, node.stage, node.node_name)
         if not self.cfg.resume:
             return False
-        ckpt = self.checkpoints.load()
+        ckpt = self.checkpoints.load()  # CheckpointCorrupt: one line naming the file
         if ckpt is None:
             return False
+        check_run_config(ckpt, checkpoint_run_config(self.cfg), self.checkpoints.path)
         node.runtime.load_state_dict(ckpt.state)
         node.committed_iteration = self.last_saved = self.state_iteration = ckpt.iteration
         self.log.info("resumed stage %d at iteration %d", node.stage, ckpt.iteration)
@@ -128,7 +137,8 @@ class StageState:
         meta = {"run_id": self.cfg.run_id, "epoch": node.epoch.epoch, "model": self.cfg.model.to_dict(),
                 "peer_id": node.peer_id, "checksum": node.runtime.checksum(),
                 "data": dict(vars(node.cfg.data))}  # tokenizer + hash: what eval/export/generate read back
-        await node.pipeline.compute(lambda: self.checkpoints.save(it, state, meta))
+        run_config = checkpoint_run_config(self.cfg)
+        await node.pipeline.compute(lambda: self.checkpoints.save(it, state, meta, run_config=run_config))
         self.last_saved = it
 
     def due(self, it: int) -> bool:
