@@ -30,7 +30,30 @@ import torch
 
 from node.compat import import_hivemind
 
-__all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on"]
+__all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on", "AVERAGING_COMPRESSIONS",
+           "averaging_compression_for_wire", "hivemind_compression"]
+
+#: ``AveragingConfig.compression`` -> the hivemind.compression class that carries the all-reduce traffic.
+#: (hivemind's BlockwiseQuantization would need bitsandbytes, which is not installed.)
+AVERAGING_COMPRESSIONS = {"none": "NoCompression", "fp16": "Float16Compression", "uint8": "Uniform8BitQuantization"}
+#: The run's wire format (``--wire``) -> the compression of its gradient averaging: the same width.
+_FOR_WIRE = {"fp32": "none", "bf16": "fp16", "fp16": "fp16", "int8": "uint8"}
+
+
+def averaging_compression_for_wire(wire: str) -> str:
+    """The averaging compression that goes with wire format ``wire`` (fp32 -> none, bf16/fp16 -> fp16, int8 -> uint8)."""
+    try:
+        return _FOR_WIRE[wire]
+    except KeyError:
+        raise ValueError(f"unknown wire format {wire!r}; expected one of {sorted(_FOR_WIRE)}") from None
+
+
+def hivemind_compression(name: str):
+    """A hivemind compression instance for ``AveragingConfig.compression``."""
+    if name not in AVERAGING_COMPRESSIONS:
+        raise ValueError(f"unknown averaging compression {name!r}; expected one of {sorted(AVERAGING_COMPRESSIONS)}")
+    hivemind = import_hivemind()
+    return getattr(hivemind.compression, AVERAGING_COMPRESSIONS[name])()
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +74,9 @@ class AveragingConfig:
     #: matchmaking periods: long enough that a groupmate arriving a little later is still met
     #: in the same window, short next to ``matchmaking_timeout_s``
     round_window_s: float = 10.0
+    #: how the replicas' gradients travel in the all-reduce (see AVERAGING_COMPRESSIONS); part of the
+    #: run configuration every member compares, like the rest of this class
+    compression: str = "none"
 
 
 #: Smallest weight a replica averages with (see StageAverager.average).
@@ -109,6 +135,7 @@ class StageAverager:
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.allreduce_timeout_s,
             allow_state_sharing=False,
+            compression=hivemind_compression(cfg.compression),
         )
         self._started = False
         self.last_group: tuple = ()

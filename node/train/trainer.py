@@ -49,6 +49,7 @@ from node.train.deadlines import DeadlineConfig
 from node.errors import UserError
 from node.train.model import MODEL_SIZES, ModelConfig, build_stage
 from node.train.runtime import OptimConfig, StageRuntime, clip_coefficient
+from node.train.precision import loss_scales_agree
 
 __all__ = [
     "TrainerConfig",
@@ -90,6 +91,9 @@ class TrainerConfig:
     averaging: AveragingConfig = AveragingConfig()
     seed: int = 0  # model initialisation; the data seed is ``data.seed``
     device: str = "cpu"
+    #: compute precision and wire format (issue: GPU); every member of a run must use the same ones
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (node.train.precision)
+    wire: str = "fp32"  # fp32 | bf16 | fp16 | int8 (protocol.compression.WIRE_FORMATS)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 10  # iterations; 0 = only on clean shutdown
     resume: bool = False
@@ -451,7 +455,8 @@ class TrainerNode:
         self._bind_epoch(self._current_epoch())
         module = build_stage(self.cfg.model, self.stage, self.cfg.seed)
         self.runtime = StageRuntime(module, self.cfg.optim, self.cfg.device,
-                                    padder=getattr(self.emulation, "padder", None))
+                                    padder=getattr(self.emulation, "padder", None),
+                                    precision=self.cfg.precision)  # precision: autocast + fp16 loss scale
         self._forward_s = await self._compute(self._measure_forward_s)
         self._build_deadlines()
         ckpt = None
@@ -491,7 +496,8 @@ class TrainerNode:
         if guard is not None:
             kwargs["guard"] = guard
         self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self._on_message,
-                                   emulator=getattr(self.emulation, "link_emulator", None), **kwargs)
+                                   emulator=getattr(self.emulation, "link_emulator", None),
+                                   wire=self.cfg.wire, **kwargs)  # wire: the run's codec for hop tensors
         await self.dataplane.start()
 
     def _make_guard(self):
@@ -511,8 +517,11 @@ class TrainerNode:
                 # senders of the current epoch and of announced ones (valid at a switch boundary)
                 return set(self.members).union(*(e.members for e in self._offered.values()))
 
+            from node.dataplane.guard import compressions_for_wire
+
             return MicrobatchGuard(run_id=self.cfg.run_id, hidden_shape=(d.microbatch_size, d.seq_len, m.d_model),
-                                   position=position, self_id=self.peer_id, members=members)
+                                   position=position, self_id=self.peer_id, members=members,
+                                   compressions=compressions_for_wire(self.cfg.wire))  # the run's wire codec only
         except TypeError:
             logger.debug("MicrobatchGuard has another signature; data plane runs unguarded")
             return None
@@ -1187,7 +1196,8 @@ class TrainerNode:
         record = {"stage": self.stage, "sq": self.runtime.grad_squared_norm(), "loss_sum": loss_sum,
                   "avg_group": list(self.averager.last_group) if averaged and self.averager is not None else [],
                   "n_mb": len(st.losses), "tokens": st.tokens if self.is_data_node else 0,
-                  "checksum": self.runtime.checksum(), "dropped": st.dropped if self.is_data_node else 0}
+                  "checksum": self.runtime.checksum(), "dropped": st.dropped if self.is_data_node else 0,
+                  "loss_scale": self.runtime.loss_scale}  # fp16: the data nodes' scale, checked below
         records = await self._exchange_norms(it, record)
         total_sq = self._global_squared_norm(records)
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
@@ -1195,6 +1205,9 @@ class TrainerNode:
         source = self._resync_source(records, record["checksum"])
 
         finite = math.isfinite(total_sq) and math.isfinite(record["sq"])
+        # --- precision (node.train.precision): a member whose fp16 loss scale differs from the data
+        # nodes' skips like on an overflow; step()/skip_step() below update the scale (halve on a skip)
+        finite = finite and loss_scales_agree(records, self.runtime.loss_scale)
 
         def step() -> None:
             if not finite:  # a poisoned gradient is never applied (replicas that stepped re-sync us)
@@ -1539,7 +1552,7 @@ def training_summary(config: TrainerConfig, iterations: int) -> dict:
 
     return {"model": config.model.to_dict(), "optim": asdict(config.optim), "data": asdict(config.data),
             "averaging": asdict(config.averaging), "seed": config.seed, "iterations": int(iterations),
-            "memory_slots": config.memory_slots}
+            "memory_slots": config.memory_slots, "precision": config.precision, "wire": config.wire}
 
 
 def summary_differences(mine: dict, theirs: dict, prefix: str = "") -> List[str]:

@@ -1,0 +1,130 @@
+"""Compute precision of a stage, and the fp16 loss scale the data nodes agree on.
+
+``--precision fp32|bf16|fp16``: the stage's forward and backward run under ``torch.autocast`` with
+that dtype (fp32: no autocast); the master weights, their gradients and the optimizer state stay
+float32 (:class:`node.train.runtime.StageRuntime`). bf16 has float32's exponent range and needs no
+loss scaling. fp16 does: small gradients underflow to zero, so the loss is multiplied by a scale
+before backward and the gradients are divided by it before anything else reads them.
+
+**Agreement.** :class:`LossScaler` is deterministic: its scale depends only on how many steps were
+skipped and when. Every member of a run starts from the same scale and updates it once per committed
+iteration with the same fact, "the swarm skipped this step because its global gradient norm was
+not finite" (every member computes that from the same norm records), so all data nodes multiply
+by the same scale and every stage divides by it. The scale travels with a stage's state (state
+transfer to joiners, re-syncs, checkpoints) and in each member's norm record: a member whose scale
+differs from the data nodes' (:func:`loss_scales_agree`) treats the iteration as an overflow and
+skips its step (it is then re-synced like any replica that did not step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Dict, Mapping, Optional
+
+__all__ = ["PRECISIONS", "LossScaler", "ScalerConfig", "autocast_dtype", "default_precision", "resolve_precision",
+           "loss_scales_agree", "wire_round_trip"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def autocast_dtype(precision: str):
+    """The torch dtype ``precision`` computes in under autocast; None for fp32 (no autocast)."""
+    import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {list(PRECISIONS)}")
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def default_precision(device: str) -> str:
+    """bf16 on a CUDA device that supports it, else fp32 (CPU autocast works but is slower than fp32)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def resolve_precision(precision: Optional[str], device: str) -> str:
+    """``precision`` checked, or the device's default for None / "auto"."""
+    if precision in (None, "auto"):
+        return default_precision(device)
+    autocast_dtype(precision)  # raises ValueError for an unknown name
+    return precision
+
+
+@dataclass(frozen=True)
+class ScalerConfig:
+    """torch.cuda.amp.GradScaler's defaults, except a lower ceiling (a scale above 2^24 only overflows)."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000  # finite steps in a row before the scale grows
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+
+
+class LossScaler:
+    """Dynamic loss scale: halves on an overflow (that step is skipped), doubles after
+    ``growth_interval`` finite steps in a row. Pure arithmetic, no torch: replicas and data nodes
+    that see the same sequence of overflows hold bit-identical scales."""
+
+    def __init__(self, cfg: ScalerConfig = ScalerConfig()):
+        if not (cfg.min_scale > 0 and cfg.min_scale <= cfg.init_scale <= cfg.max_scale):
+            raise ValueError("need 0 < min_scale <= init_scale <= max_scale")
+        if not (0 < cfg.backoff_factor < 1 < cfg.growth_factor) or cfg.growth_interval < 1:
+            raise ValueError("need 0 < backoff_factor < 1 < growth_factor and growth_interval >= 1")
+        self.cfg = cfg
+        self.scale = float(cfg.init_scale)
+        self.good_steps = 0  # finite steps since the last change
+        self.skipped = 0  # steps skipped for an overflow, in total
+
+    def update(self, overflow: bool) -> None:
+        """Record one committed iteration: ``overflow`` = the swarm skipped its step (non-finite norm)."""
+        if overflow:
+            self.scale = max(self.cfg.min_scale, self.scale * self.cfg.backoff_factor)
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.cfg.growth_interval:
+            self.scale = min(self.cfg.max_scale, self.scale * self.cfg.growth_factor)
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped,
+                "config": asdict(self.cfg)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        scale = float(state["scale"])
+        if not (math.isfinite(scale) and self.cfg.min_scale <= scale <= self.cfg.max_scale):
+            raise ValueError(f"loss scale {scale!r} outside [{self.cfg.min_scale}, {self.cfg.max_scale}]")
+        self.scale, self.good_steps, self.skipped = scale, int(state["good_steps"]), int(state.get("skipped", 0))
+
+    def __repr__(self) -> str:
+        return f"LossScaler(scale={self.scale:g}, good_steps={self.good_steps}, skipped={self.skipped})"
+
+
+def loss_scales_agree(records: Mapping[str, Mapping], mine: float) -> bool:
+    """True unless a data node's (stage 0) norm record carries a loss scale other than ``mine``.
+
+    Records without a ``loss_scale`` (fp32/bf16 runs) always agree."""
+    theirs: Dict[str, float] = {p: float(r["loss_scale"]) for p, r in records.items()
+                                if isinstance(r, Mapping) and int(r.get("stage", -1)) == 0 and "loss_scale" in r}
+    return all(s == mine for s in theirs.values())
+
+
+def wire_round_trip(t, compression: str):
+    """``t`` as the receiving node gets it over a wire with frame codec ``compression``: a float32
+    frame through :mod:`protocol.compression`'s very codec, back on ``t``'s device and dtype. The
+    single-process trainers (reference, path trainer) apply it at every hop the swarm makes."""
+    from protocol.compression import NO_COMPRESSION
+    from protocol.tensor import TensorFrame
+
+    if compression == NO_COMPRESSION:
+        return t
+    frame = TensorFrame.from_tensor(t.detach().float(), compression=compression)
+    return frame.to_tensor().to(device=t.device, dtype=t.dtype)
