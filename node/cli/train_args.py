@@ -37,6 +37,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="model initialisation and data order seed")
     g.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
+                        "it, else fp32. All members of a run must use the same")
+    g.add_argument("--wire", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
+                   help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
+                        "the replicas' averaging uses the matching hivemind compression. All members must agree")
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
     g.add_argument("--threads", type=int, default=None, help="torch threads of this process")
     g.add_argument("--iteration-timeout", type=float, default=600.0,
@@ -79,8 +85,10 @@ def training_services_from_args(args: argparse.Namespace) -> list:
 
     faults = FaultInjector([parse_fault(spec) for spec in getattr(args, "inject", None) or []]) or None
 
+    from node.train.averaging import AveragingConfig, averaging_compression_for_wire
     from node.train.data import DataConfig
     from node.train.model import model_config
+    from node.train.precision import resolve_device, resolve_precision
     from node.train.runtime import OptimConfig
     from node.train.trainer import TrainerConfig, TrainerService
 
@@ -89,13 +97,20 @@ def training_services_from_args(args: argparse.Namespace) -> list:
     if seq_len > mcfg.context:
         raise UserError(f"--seq-len {seq_len} exceeds the {args.model} context of {mcfg.context}")
     optim = OptimConfig() if args.lr is None else OptimConfig(lr=args.lr)
+    try:  # device, precision and wire format (docs/training.md, "GPUs, precision and wire formats")
+        device = resolve_device(getattr(args, "device", "cpu"))
+        precision = resolve_precision(getattr(args, "precision", "auto"), device)
+        wire = getattr(args, "wire", "fp32")
+        averaging = AveragingConfig(compression=averaging_compression_for_wire(wire))
+    except ValueError as e:
+        raise UserError(str(e)) from None
     config = TrainerConfig(
         run_id=args.run_id,
         model=mcfg,
         optim=optim,
         data=DataConfig(corpus=args.corpus, microbatch_size=args.microbatch_size, seq_len=seq_len, seed=args.seed),
         seed=args.seed,
-        device=getattr(args, "device", "cpu"),
+        device=device, precision=precision, wire=wire, averaging=averaging,
         checkpoint_dir=str(args.checkpoint_dir.expanduser()) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,

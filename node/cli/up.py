@@ -303,6 +303,9 @@ class UpOptions:
     start_timeout_s: float = 480.0  # daemon mode: until the first iteration is committed
     stall_timeout_s: float = 240.0  # daemon mode: longest wait for the next iteration
     emulation: Optional[object] = None  # node.cli.emulation_args.EmulationSettings; None = no WAN/compute emulation
+    device: str = "cpu"  # cpu | cuda | auto (every node of the local swarm on it)
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    wire: str = "fp32"  # fp32 | bf16 | fp16 | int8
 
 
 def _parse_replicas(text: str, n_stages: int) -> List[int]:
@@ -387,7 +390,7 @@ async def run_up(opts: UpOptions) -> dict:
         raise UserError(f"unknown scheduler {opts.scheduler!r}; choose 'skippipe' or 'builtin'")
     config = TrainerConfig(run_id="up", model=mcfg, optim=OptimConfig(lr=opts.lr), data=data_cfg, seed=opts.seed,
                            checkpoint_dir=str(out / "checkpoints"), checkpoint_every=opts.checkpoint_every,
-                           resume=opts.resume)
+                           resume=opts.resume, **_compute_config(opts))
     val = validation_batches(splits, data_cfg, VAL_BATCHES)
     n_nodes = sum(len(s) for s in schedule["stages"])
     if not opts.quiet:
@@ -453,6 +456,19 @@ def _layout(opts: UpOptions):
     return mcfg, data_cfg, replicas
 
 
+def _compute_config(opts: UpOptions) -> dict:
+    """TrainerConfig fields for --device/--precision/--wire (checked: one error line if unusable)."""
+    from node.train.averaging import AveragingConfig, averaging_compression_for_wire
+    from node.train.precision import resolve_device, resolve_precision
+
+    try:
+        device = resolve_device(opts.device)
+        return dict(device=device, precision=resolve_precision(opts.precision, device), wire=opts.wire,
+                    averaging=AveragingConfig(compression=averaging_compression_for_wire(opts.wire)))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[int], List[str]]:
     def args(i: int) -> List[str]:
         a = ["--train", "--model", opts.model, "--corpus", opts.corpus, "--iterations", str(opts.iterations),
@@ -461,7 +477,8 @@ def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[in
              "--microbatch-size", str(opts.microbatch_size), "--microbatches", str(opts.microbatches),
              "--memory-slots", str(opts.memory), "--threads", "1", "--iteration-timeout", "180",
              "--agreement-timeout", str(int(opts.start_timeout_s)), "--log-level", "INFO"]
-        return a + (["--resume"] if opts.resume else []) + emulation_node_args(opts.emulation, i)
+        compute = ["--device", opts.device, "--precision", opts.precision, "--wire", opts.wire]
+        return a + compute + (["--resume"] if opts.resume else []) + emulation_node_args(opts.emulation, i)
     return args
 
 
@@ -633,7 +650,9 @@ def _handler(args: argparse.Namespace) -> int:
                      microbatches=args.microbatches, microbatch_size=args.microbatch_size, memory=args.memory,
                      lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
                      reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet,
-                     in_process=args.in_process, emulation=emulation_from_args(args, require_location=False))
+                     in_process=args.in_process, emulation=emulation_from_args(args, require_location=False),
+                     device=args.device, precision=args.precision, wire=args.wire)
+    _compute_config(opts)  # an unusable --device/--precision/--wire: one error line before anything starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not opts.in_process:
         def on_term(signum, frame):
@@ -684,5 +703,11 @@ def register(subparsers) -> None:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--in-process", action="store_true",
                    help="run every node in this process (the test/benchmark harness) instead of one daemon per node")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="torch device of every node (auto: cuda when available; default cpu)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="compute precision (auto: bf16 on a GPU that supports it, else fp32)")
+    p.add_argument("--wire", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
+                   help="wire format of activations and gradients (default fp32)")
     add_emulation_arguments(p, location=False)  # nodes get the profile's locations round-robin
     p.set_defaults(func=_handler)

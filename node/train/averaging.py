@@ -34,14 +34,19 @@ __all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_we
            "averaging_compression_for_wire", "hivemind_compression"]
 
 #: ``AveragingConfig.compression`` -> the hivemind.compression class that carries the all-reduce traffic.
-#: (hivemind's BlockwiseQuantization would need bitsandbytes, which is not installed.)
-AVERAGING_COMPRESSIONS = {"none": "NoCompression", "fp16": "Float16Compression", "uint8": "Uniform8BitQuantization"}
-#: The run's wire format (``--wire``) -> the compression of its gradient averaging: the same width.
-_FOR_WIRE = {"fp32": "none", "bf16": "fp16", "fp16": "fp16", "int8": "uint8"}
+#: No 8-bit entry: hivemind 1.1.12's BlockwiseQuantization needs bitsandbytes (not installed), and its
+#: Uniform8BitQuantization/Quantile8BitQuantization cannot *decode* under numpy >= 2.4 (``extract`` calls
+#: ``int()`` on a one-element array: "TypeError: only 0-dimensional arrays can be converted to Python
+#: scalars", measured with numpy 2.4.6 here), so every all-reduce part would fail on the receiving side.
+AVERAGING_COMPRESSIONS = {"none": "NoCompression", "fp16": "Float16Compression",
+                          "scaled-fp16": "ScaledFloat16Compression"}
+#: The run's wire format (``--wire``) -> the compression of its gradient averaging: fp32 stays exact,
+#: every narrower wire averages in fp16 (int8 too: see above why not 8 bits).
+_FOR_WIRE = {"fp32": "none", "bf16": "fp16", "fp16": "fp16", "int8": "fp16"}
 
 
 def averaging_compression_for_wire(wire: str) -> str:
-    """The averaging compression that goes with wire format ``wire`` (fp32 -> none, bf16/fp16 -> fp16, int8 -> uint8)."""
+    """The averaging compression that goes with wire format ``wire`` (fp32 -> none, bf16/fp16/int8 -> fp16)."""
     try:
         return _FOR_WIRE[wire]
     except KeyError:

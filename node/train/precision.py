@@ -23,7 +23,31 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Mapping, Optional
 
 __all__ = ["PRECISIONS", "LossScaler", "ScalerConfig", "autocast_dtype", "default_precision", "resolve_precision",
-           "loss_scales_agree", "wire_round_trip"]
+           "loss_scales_agree", "wire_round_trip", "resolve_device", "DEVICES"]
+
+#: ``--device`` values: auto = cuda when a CUDA device is available, else cpu.
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def resolve_device(name: str) -> str:
+    """``--device`` checked and resolved ("auto" -> "cuda" or "cpu"); ``ValueError`` (one line) when the
+    device cannot be used here."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {name!r} is not a device ({str(e).splitlines()[0] if str(e) else e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name} requested but no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {name}: only cpu, cuda[:N] and auto are supported")
+    return name
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
