@@ -133,12 +133,17 @@ class LossScaler:
 
 
 def loss_scales_agree(records: Mapping[str, Mapping], mine: float) -> bool:
-    """True unless a data node's (stage 0) norm record carries a loss scale other than ``mine``.
+    """True unless the canonical data node's norm record carries a loss scale other than ``mine``.
 
-    Records without a ``loss_scale`` (fp32/bf16 runs) always agree."""
+    The canonical data node is the stage-0 member with the lowest peer id, the replica every other
+    stage-0 replica re-syncs from; so a member that disagrees skips, is re-synced, and takes that
+    scale with the state (two data nodes that disagreed could otherwise skip forever, both halving).
+    Records without a ``loss_scale`` (older members) always agree."""
     theirs: Dict[str, float] = {p: float(r["loss_scale"]) for p, r in records.items()
                                 if isinstance(r, Mapping) and int(r.get("stage", -1)) == 0 and "loss_scale" in r}
-    return all(s == mine for s in theirs.values())
+    if not theirs:
+        return True
+    return theirs[min(theirs)] == mine
 
 
 def wire_round_trip(t, compression: str):

@@ -162,6 +162,9 @@ def test_loss_scales_agree_compares_with_the_data_nodes_records():
     assert loss_scales_agree(records, 1024.0)
     assert not loss_scales_agree(records, 2048.0)
     assert loss_scales_agree({"a": {"stage": 0}}, 7.0)  # records without a scale (older members)
+    # data nodes that disagree: the lowest peer id (the canonical stage-0 replica) decides
+    split = {"a": {"stage": 0, "loss_scale": 8.0}, "b": {"stage": 0, "loss_scale": 4.0}}
+    assert loss_scales_agree(split, 8.0) and not loss_scales_agree(split, 4.0)
 
 
 def test_fp16_overflow_makes_the_norm_infinite_and_halves_the_scale():
