@@ -182,10 +182,9 @@ class StageAverager:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.matchmaking_timeout_s
         while True:
-            # every window starts from our own values (a failed all-reduce may have written some parts)
-            with self._avg.get_tensors() as buffers:
-                for buf, t in zip(buffers, tensors):
-                    buf.copy_(t.detach().cpu())
+            # every window starts from our own values (a failed all-reduce may have written some parts);
+            # copied in a worker thread: from a GPU the copy waits for the device, which the loop must not
+            await loop.run_in_executor(None, self._load, tensors)
             window = max(0.0, min(self.cfg.round_window_s, deadline - loop.time()))
             try:
                 # on the loop thread: the returned MPFuture binds to the loop that creates it (blocks ~ms)
@@ -203,14 +202,11 @@ class StageAverager:
                                self.prefix)
                 return False
             logger.debug("averaging window of %s ended without a group (%s); trying again", self.prefix, error)
-        with self._avg.get_tensors() as buffers:
-            if not all(bool(torch.isfinite(buf).all()) for buf in buffers):
-                # never let a bad round poison the stage: keep our own gradient instead
-                logger.warning("averaging round of %s returned non-finite values; keeping the local gradient",
-                               self.prefix)
-                return False
-            for buf, t in zip(buffers, tensors):
-                t.copy_(buf.to(t.device))
+        if not await loop.run_in_executor(None, self._store, tensors):
+            # never let a bad round poison the stage: keep our own gradient instead
+            logger.warning("averaging round of %s returned non-finite values; keeping the local gradient",
+                           self.prefix)
+            return False
         self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
         return True
 
@@ -222,6 +218,21 @@ class StageAverager:
         except Exception as e:  # noqa: BLE001 - any failure of the check is a "don't know"
             logger.debug("give-up check of %s failed: %r; trying another window", self.prefix, e)
             return False
+
+    def _load(self, tensors: List[torch.Tensor]) -> None:
+        """Our tensors (any device) into the averager's CPU buffers."""
+        with self._avg.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors):
+                buf.copy_(t.detach(), non_blocking=False)
+
+    def _store(self, tensors: List[torch.Tensor]) -> bool:
+        """The averaged buffers back into our tensors; False (and ours untouched) if any is not finite."""
+        with self._avg.get_tensors() as buffers:
+            if not all(bool(torch.isfinite(buf).all()) for buf in buffers):
+                return False
+            for buf, t in zip(buffers, tensors):
+                t.copy_(buf)
+        return True
 
     def shutdown(self) -> None:
         """Blocking (up to hivemind's 5 s grace, then kill): call it from an executor thread."""

@@ -1193,10 +1193,11 @@ class TrainerNode:
         averaged = await self._average(it)
         t_avg = time.perf_counter()
         loss_sum = float(sum(st.losses))
-        record = {"stage": self.stage, "sq": self.runtime.grad_squared_norm(), "loss_sum": loss_sum,
+        sq, checksum = await self._compute(lambda: (self.runtime.grad_squared_norm(), self.runtime.checksum()))
+        record = {"stage": self.stage, "sq": sq, "loss_sum": loss_sum,
                   "avg_group": list(self.averager.last_group) if averaged and self.averager is not None else [],
                   "n_mb": len(st.losses), "tokens": st.tokens if self.is_data_node else 0,
-                  "checksum": self.runtime.checksum(), "dropped": st.dropped if self.is_data_node else 0,
+                  "checksum": checksum, "dropped": st.dropped if self.is_data_node else 0,
                   "loss_scale": self.runtime.loss_scale}  # fp16: the data nodes' scale, checked below
         records = await self._exchange_norms(it, record)
         total_sq = self._global_squared_norm(records)
@@ -1310,7 +1311,7 @@ class TrainerNode:
         assert self.runtime is not None
         group = [self.members[n] for n in self.plan.replicas(self.stage)]
         live = [p for p in group if self.is_alive(p)]
-        self.runtime.mean_grads()
+        await self._compute(self.runtime.mean_grads)  # device work: in the compute thread, not on the loop
         if self.averager is None or len(live) < 2:
             if self.averager is not None:
                 logger.warning("%s: stage %d averaging skipped at iteration %d: no other replica in the view (%s)",
