@@ -146,7 +146,7 @@ class ModelShape:
     d_model: int = 1024
     seq_len: int = 1024
     samples_per_microbatch: int = 8
-    #: real bytes per element on the wire: 4 (fp32), 2 (bf16/fp16), 1 + 4/256 (int8 with block scales;
+    #: real bytes per element on the wire: 4 (fp32), 2 (bf16/fp16), 1 + 4/64 (int8 with block scales;
     #: protocol.compression.wire_bytes_per_element gives the figure of each wire format)
     bytes_per_element: float = 4
 
