@@ -26,6 +26,12 @@ setting measured for the full pipeline. A cosine decay widened the gap at this b
 5e-3 closed the gap only by making the full run worse. The figures and the settings tried are in
 ``docs/evaluation.md``.
 
+**Wire formats** (``--wire int8`` or ``--wire bf16,int8``): instead of full vs skip, train the skip
+variant once per wire format, the fp32 wire first, each with the activations and gradients of every
+hop quantized by that format's codec (:class:`node.eval.path_training.PathTrainer` ``wire=``, the
+codec code the swarm's data plane uses), and report each format's final validation loss against the
+fp32 wire's at equal tokens: ``bench/results/convergence_wire.json``.
+
 Run: ``python bench/convergence.py`` (tiny model, 200 iterations; about 5 CPU-minutes, 10-40
 minutes of wall time on 2 shared cores depending on their load);
 longer: ``python bench/convergence.py --model small --iterations 2000``.
@@ -42,7 +48,7 @@ import os
 import pathlib
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional, Sequence
 
 
@@ -103,6 +109,8 @@ class BenchConfig:
     jobs: int = 1
     #: torch device of both runs ("cpu", "cuda", "cuda:1"): a GPU makes --model small affordable
     device: str = "cpu"
+    #: wire format every hop's activation and gradient goes through (fp32 = exact)
+    wire: str = "fp32"
 
 
 @dataclass
@@ -160,7 +168,7 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
 
     mcfg = model_config(cfg.model)
     trainer = PathTrainer(mcfg, OptimConfig(lr=cfg.lr), data, splits, schedule, seed=cfg.seed,
-                          device=cfg.device)
+                          device=cfg.device, wire=cfg.wire)
     own_routes = trainer.routes
     full_routes = stage_routes(full_schedule) if full_schedule is not None and cfg.full_every > 0 else None
     if full_routes is not None and set(full_routes) != set(own_routes):
@@ -218,6 +226,40 @@ def _train_variant(name: str, schedule, cfg: BenchConfig, data: DataConfig, chec
     torch.set_num_threads(cfg.threads)
     return train_run(name, schedule, cfg, data, load_splits(data), checkpoints,
                      log=lambda line: print(line, flush=True), full_schedule=full_schedule)
+
+
+def _train_wire(name: str, schedule, cfg: BenchConfig, data: DataConfig, checkpoints: pathlib.Path) -> RunResult:
+    torch.set_num_threads(cfg.threads)
+    return train_run(name, schedule, cfg, data, load_splits(data), checkpoints,
+                     log=lambda line: print(line, flush=True))
+
+
+def run_wire_variants(cfg: BenchConfig, skip, data: DataConfig, wires: Sequence[str],
+                      checkpoints: pathlib.Path) -> List[RunResult]:
+    """The skip variant once per wire format (``skip-fp32`` first), ``cfg.jobs`` at a time."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    todo = [(f"skip-{w}", replace(cfg, wire=w)) for w in ["fp32", *[w for w in wires if w != "fp32"]]]
+    if cfg.jobs < 2:
+        return [_train_wire(name, skip, c, data, checkpoints) for name, c in todo]
+    with ProcessPoolExecutor(max_workers=min(cfg.jobs, len(todo)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_train_wire, name, skip, c, data, checkpoints) for name, c in todo]
+        return [f.result() for f in futures]
+
+
+def wire_result(cfg: BenchConfig, data: DataConfig, runs: Sequence[RunResult]) -> dict:
+    """Final validation loss of each wire format and its change against the fp32 wire, in %."""
+    base = runs[0]
+    assert base.name == "skip-fp32"
+    return {
+        "config": asdict(cfg), "seq_len": data.seq_len, "tokens_per_run": base.tokens[-1],
+        "runs": {r.name: asdict(r) for r in runs},
+        "final_val_loss": {r.name.removeprefix("skip-"): r.val_loss[-1] for r in runs},
+        "val_loss_change_pct_vs_fp32": {r.name.removeprefix("skip-"): (r.val_loss[-1] / base.val_loss[-1] - 1) * 100
+                                        for r in runs[1:]},
+        "equal_tokens": all(r.tokens == base.tokens for r in runs),
+    }
 
 
 def run_variants(cfg: BenchConfig, full, skip, data: DataConfig, splits: Optional[TokenSplits],
@@ -335,6 +377,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "are the same either way (default: 2 if the machine has 2 cores or more)")
     p.add_argument("--device", default=d.device,
                    help="torch device for both runs, e.g. cuda (default cpu); the two runs share it with --jobs 2")
+    p.add_argument("--wire", default="fp32",
+                   help="wire format(s) of every hop, comma-separated from bf16, fp16, int8: trains the skip variant "
+                        "once with the fp32 wire and once per format, and reports the validation-loss change at "
+                        "equal tokens (default fp32: the usual full vs skip comparison)")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
     p.add_argument("--checkpoints", type=pathlib.Path, default=DEFAULT_CHECKPOINTS,
                    help="checkpoint root (default runs/convergence)")
@@ -414,11 +460,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (RuntimeError, AssertionError) as e:
         raise SystemExit(f"--device {cfg.device!r} is not usable here: {str(e).splitlines()[0] if str(e) else e}")
     torch.set_num_threads(cfg.threads)
+    wires = [w.strip() for w in args.wire.split(",") if w.strip()]
+    from protocol.compression import WIRE_FORMATS
+
+    if not wires or any(w not in WIRE_FORMATS for w in wires):
+        raise SystemExit(f"--wire takes formats from {sorted(WIRE_FORMATS)}, got {args.wire!r}")
     mcfg = model_config(cfg.model)
     data = DataConfig(corpus=cfg.corpus, microbatch_size=cfg.microbatch_size, seq_len=cfg.seq_len or mcfg.context,
                       seed=cfg.seed)
     splits = load_splits(data) if cfg.jobs < 2 else None
     skip = skip_schedule(mcfg.n_stages, cfg.seed)
+    if wires != ["fp32"]:
+        return _wire_main(cfg, data, skip, wires, args)
     full = full_pipeline_schedule(mcfg.n_stages, DATA_NODES, MICROBATCHES, MEMORY)
     tokens_per_it = DATA_NODES * MICROBATCHES * cfg.microbatch_size * data.seq_len
     print(f"convergence: {cfg.model} on {cfg.corpus}, {cfg.iterations} iterations x {DATA_NODES} data nodes x "
@@ -448,6 +501,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plotted = _plot(runs, args.out / "convergence.png",
                     f"{cfg.model} on {cfg.corpus}: full pipeline vs SkipPipe (k = 1/3)")
     _print_summary(result, args.out, args.checkpoints, plotted)
+    return 0
+
+
+def _wire_main(cfg: BenchConfig, data: DataConfig, skip, wires: Sequence[str], args: argparse.Namespace) -> int:
+    tokens_per_it = DATA_NODES * MICROBATCHES * cfg.microbatch_size * data.seq_len
+    print(f"convergence by wire format: {cfg.model} on {cfg.corpus}, skip paths, {cfg.iterations} iterations = "
+          f"{cfg.iterations * tokens_per_it} tokens per run; wires fp32 (baseline), "
+          f"{', '.join(w for w in wires if w != 'fp32')}", flush=True)
+    runs = run_wire_variants(cfg, skip, data, wires, args.checkpoints)
+    result = wire_result(cfg, data, runs)
+    result["command"] = " ".join(["python", "bench/convergence.py", *sys.argv[1:]])
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result["machine"] = f"{os.cpu_count()} CPUs, torch {torch.__version__}, device {cfg.device}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "convergence_wire.json"
+    path.write_text(json.dumps(result, indent=1))
+    for name, loss in result["final_val_loss"].items():
+        change = result["val_loss_change_pct_vs_fp32"].get(name)
+        print(f"  wire {name:5s}: final validation loss {loss:.4f}"
+              + ("" if change is None else f"  ({change:+.3f}% vs the fp32 wire, same tokens)"))
+    print(f"wrote {path}")
     return 0
 
 

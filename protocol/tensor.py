@@ -113,6 +113,14 @@ class TensorFrame:
             raise ShapeMismatch(
                 f"{self.dtype} tensor of shape {self.shape} needs {nbytes} bytes, data has {len(self.data)}"
             )
+        if self.compression != NO_COMPRESSION:
+            accepted = getattr(compressor, "dtypes", None)
+            if accepted is not None and self.dtype not in accepted:
+                raise MalformedMessage(f"compression {self.compression!r} does not apply to {self.dtype} tensors")
+            payload_nbytes = getattr(compressor, "payload_nbytes", None)
+            if payload_nbytes is not None and len(self.data) != payload_nbytes(nbytes):
+                raise ShapeMismatch(f"{self.compression} payload of {len(self.data)} bytes does not fit a {self.dtype} "
+                                    f"tensor of shape {self.shape} ({payload_nbytes(nbytes)} bytes expected)")
         if options.require_finite:
             self.check_finite()
 
@@ -132,6 +140,13 @@ class TensorFrame:
             return
         import numpy as np
 
+        if self.compression != NO_COMPRESSION:
+            payload_finite = getattr(get_compressor(self.compression), "payload_finite", None)
+            if payload_finite is not None:  # checked on the payload itself: no decompression
+                if not payload_finite(self.data, self.nbytes):
+                    raise NonFiniteTensor(f"{self.dtype} tensor of shape {self.shape} contains NaN or inf "
+                                          f"({self.compression} payload)")
+                return
         raw = self.raw_bytes()
         if info.float_numpy is not None:
             finite = bool(np.isfinite(np.frombuffer(raw, dtype=info.float_numpy)).all())

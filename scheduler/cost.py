@@ -146,7 +146,9 @@ class ModelShape:
     d_model: int = 1024
     seq_len: int = 1024
     samples_per_microbatch: int = 8
-    bytes_per_element: int = 4
+    #: real bytes per element on the wire: 4 (fp32), 2 (bf16/fp16), 1 + 4/64 (int8 with block scales;
+    #: protocol.compression.wire_bytes_per_element gives the figure of each wire format)
+    bytes_per_element: float = 4
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ class CostMatrix:
 
 def activation_bytes(shape: ModelShape) -> int:
     """Bytes of one microbatch's activation (or gradient) between stages: the hidden state."""
-    return shape.bytes_per_element * shape.d_model * shape.seq_len * shape.samples_per_microbatch
+    return math.ceil(shape.bytes_per_element * shape.d_model * shape.seq_len * shape.samples_per_microbatch)
 
 
 def transfer_time_s(latency_ms: float, bandwidth_Bps: float, nbytes: float, hop_overhead_s: float = 0.35) -> float:

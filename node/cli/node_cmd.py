@@ -67,7 +67,8 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", type=Path, default=None,
                    help=f"RSA identity file, created on first use (default {default_identity_path()})")
     p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="name of the training run (default %(default)s)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                   help="torch device of this node's stage (auto: cuda when available; default cpu)")
     p.add_argument("--location", default=None, help="free-form location label shown to peers")
     p.add_argument("--rpc-port", type=port(allow_zero=True, allow_off=True), default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
     p.add_argument("--heartbeat", type=float_range(0.05, 3600.0), default=DEFAULT_HEARTBEAT_S,
@@ -103,6 +104,7 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
     if settings is None or settings.network_profile is None or settings.compute_s_per_sample_per_layer is None:
         raise UserError("--schedule-cost emulation needs --network-profile and --compute-s-per-sample-per-layer")
     from node.train.model import model_config
+    from protocol.compression import wire_bytes_per_element
     from scheduler.cost import GIB, ModelShape, activation_bytes, transfer_time_s
 
     profile = settings.load_profile()
@@ -110,7 +112,8 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
     mcfg = model_config(model)
     seq_len = getattr(args, "seq_len", None) or (min(mcfg.context, 64) if model == "tiny" else mcfg.context)
     shape = ModelShape(layers_per_stage=mcfg.layers_per_stage, d_model=mcfg.d_model, seq_len=seq_len,
-                       samples_per_microbatch=getattr(args, "microbatch_size", 8), bytes_per_element=4)
+                       samples_per_microbatch=getattr(args, "microbatch_size", 8),
+                       bytes_per_element=wire_bytes_per_element(getattr(args, "wire", "fp32")))  # --wire's real size
     nbytes = activation_bytes(shape)
     locs = list(profile.locations)
 
@@ -175,11 +178,12 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         f"{MAX_RUN_SCHEDULE_WORK}: the coordinator could not schedule an epoch in time; "
                         "use fewer microbatches or a shorter --path-length")
     location_cost = emulated_location_cost(args)
-    if args.device == "cuda":
-        import torch
+    from node.train.precision import resolve_device
 
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda requested but no CUDA device is available")
+    try:
+        args.device = resolve_device(args.device)  # auto -> cuda/cpu; an unusable device is one error line
+    except ValueError as e:
+        raise UserError(str(e)) from None
     return DaemonConfig(
         run_id=args.run_id,
         initial_peers=tuple(args.initial_peers),

@@ -102,6 +102,12 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0, help="model initialisation and data order seed")
     g.add_argument("--microbatch-size", type=int_range(1, 65536), default=8, help="sequences per microbatch")
     g.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
+                        "it, else fp32. All members of a run must use the same")
+    g.add_argument("--wire", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
+                   help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
+                        "the replicas' averaging uses the matching hivemind compression. All members must agree")
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
     g.add_argument("--threads", type=int_range(1, MAX_THREADS), default=None, help="torch threads of this process")
     g.add_argument("--iteration-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=600.0,
@@ -144,18 +150,27 @@ def training_services_from_args(args: argparse.Namespace) -> list:
 
     faults = FaultInjector([parse_fault(spec) for spec in getattr(args, "inject", None) or []]) or None
 
+    from node.train.averaging import AveragingConfig, averaging_compression_for_wire
+    from node.train.precision import resolve_device, resolve_precision
     from node.train.runtime import OptimConfig
     from node.train.trainer import TrainerConfig, TrainerService
 
     mcfg, data = model_and_data_from_args(args)
     optim = OptimConfig() if args.lr is None else OptimConfig(lr=args.lr)
+    try:  # device, precision and wire format (docs/training.md, "GPUs, precision and wire formats")
+        device = resolve_device(getattr(args, "device", "cpu"))
+        precision = resolve_precision(getattr(args, "precision", "auto"), device)
+        wire = getattr(args, "wire", "fp32")
+        averaging = AveragingConfig(compression=averaging_compression_for_wire(wire))
+    except ValueError as e:
+        raise UserError(str(e)) from None
     config = TrainerConfig(
         run_id=args.run_id,
         model=mcfg,
         optim=optim,
         data=data,
         seed=args.seed,
-        device=getattr(args, "device", "cpu"),
+        device=device, precision=precision, wire=wire, averaging=averaging,
         checkpoint_dir=str(args.checkpoint_dir.expanduser()) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
@@ -167,5 +182,6 @@ def training_services_from_args(args: argparse.Namespace) -> list:
                              drain_timeout_s=float(getattr(args, "drain_timeout", 60.0)))
     from node.ops.join_command import training_join_flags
 
-    service.join_flags = training_join_flags(args)  # what the founder's banner tells joiners to pass
+    # what the founder's banner tells joiners to pass, with the precision this node resolved "auto" to
+    service.join_flags = training_join_flags(argparse.Namespace(**{**vars(args), "precision": precision}))
     return [service]

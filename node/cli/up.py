@@ -15,7 +15,7 @@ import signal
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
 from node.cli.validate import MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range
 from node.cli.up_runners import (DEFAULT_DATA_NODES, DEFAULT_ITERATIONS, DEFAULT_LR, DEFAULT_MEMORY,
-                                 DEFAULT_MICROBATCHES, DEFAULT_PATH_LENGTH, DEFAULT_REPLICAS, UpOptions, run_up,
+                                 DEFAULT_MICROBATCHES, DEFAULT_PATH_LENGTH, DEFAULT_REPLICAS, UpOptions, _compute_config, run_up,
                                  run_up_swarm)
 
 __all__ = ["register"]
@@ -38,7 +38,8 @@ def _handler(args: argparse.Namespace) -> int:
                      reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet,
                      in_process=args.in_process, emulation=emulation_from_args(args, require_location=False),
                      num_stages=args.num_stages, model_config=args.model_config, text_field=args.text_field,
-                     tokenizer=args.tokenizer)
+                     tokenizer=args.tokenizer, device=args.device, precision=args.precision, wire=args.wire)
+    _compute_config(opts)  # an unusable --device/--precision/--wire: one error line before anything starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not opts.in_process:
         def on_term(signum, frame):
@@ -74,6 +75,12 @@ def register(subparsers) -> None:
     add_model_data_arguments(p)  # --model, --model-config, --corpus, --text-field, --tokenizer: as node run
     p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), default=None,
                    help="pipeline stages (default: the model's, 6 for the named sizes); as node run --num-stages")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="torch device of every node (auto: cuda when available; default cpu)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="compute precision (auto: bf16 on a GPU that supports it, else fp32)")
+    p.add_argument("--wire", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
+                   help="wire format of activations and gradients (default fp32)")
     p.add_argument("--data-nodes", type=int_range(1, 64), default=DEFAULT_DATA_NODES)
     p.add_argument("--replicas", default=DEFAULT_REPLICAS,
                    help="replicas of stages 1..S-1, comma-separated or one number (default %(default)s)")

@@ -73,6 +73,22 @@ class UpOptions:
     model_config: Optional[str] = None
     text_field: str = "text"
     tokenizer: Optional[str] = None
+    device: str = "cpu"  # cpu | cuda | auto (every node of the local swarm on it)
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    wire: str = "fp32"  # fp32 | bf16 | fp16 | int8
+
+
+def _compute_config(opts: UpOptions) -> dict:
+    """TrainerConfig fields for --device/--precision/--wire (checked: one error line if unusable)."""
+    from node.train.averaging import AveragingConfig, averaging_compression_for_wire
+    from node.train.precision import resolve_device, resolve_precision
+
+    try:
+        device = resolve_device(opts.device)
+        return dict(device=device, precision=resolve_precision(opts.precision, device), wire=opts.wire,
+                    averaging=AveragingConfig(compression=averaging_compression_for_wire(opts.wire)))
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _model_and_data(opts: UpOptions):
@@ -172,7 +188,7 @@ async def run_up(opts: UpOptions) -> dict:
         raise UserError(f"unknown scheduler {opts.scheduler!r}; choose 'skippipe' or 'builtin'")
     config = TrainerConfig(run_id="up", model=mcfg, optim=OptimConfig(lr=opts.lr), data=data_cfg, seed=opts.seed,
                            checkpoint_dir=str(out / "checkpoints"), checkpoint_every=opts.checkpoint_every,
-                           resume=opts.resume)
+                           resume=opts.resume, **_compute_config(opts))
     val = validation_batches(splits, data_cfg, VAL_BATCHES)
     n_nodes = sum(len(s) for s in schedule["stages"])
     if not opts.quiet:
@@ -243,7 +259,8 @@ def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[in
              "--microbatch-size", str(opts.microbatch_size), "--microbatches", str(opts.microbatches),
              "--memory-slots", str(opts.memory), "--threads", "1", "--iteration-timeout", "180",
              "--agreement-timeout", str(int(opts.start_timeout_s)), "--log-level", "INFO"]
-        return a + (["--resume"] if opts.resume else []) + emulation_node_args(opts.emulation, i)
+        compute = ["--device", opts.device, "--precision", opts.precision, "--wire", opts.wire]
+        return a + compute + (["--resume"] if opts.resume else []) + emulation_node_args(opts.emulation, i)
     return args
 
 

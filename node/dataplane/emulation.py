@@ -56,7 +56,8 @@ class LinkSpec:
 
 
 class LinkEmulator:
-    """Delays sends by latency + bytes/bandwidth per destination, with per-link serialisation.
+    """Delays sends by latency + bytes/bandwidth per destination, with per-link serialisation. The bytes are
+    those of the encoded frame, after the run's wire codec (``--wire``): the real size of the chosen format.
 
     :param link_for: maps a destination peer id to its :class:`LinkSpec`, or ``None`` for "not emulated"
         (e.g. a peer whose location is unknown).

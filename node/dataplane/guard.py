@@ -7,7 +7,9 @@ NaN/inf activations (they would poison the averaged gradients of the whole stage
 an old schedule epoch or of an iteration that is long over, a microbatch addressed to another
 node, a hop claimed by a peer that is not the previous (activation) or next (gradient) hop of
 the route, a copy of a frame that was already processed (a replay would run the same backward
-twice), or an ``IterationDone`` in another data node's name (it would end an iteration early).
+twice), an ``IterationDone`` in another data node's name (it would end an iteration early), or a
+tensor in a dtype or wire codec this run does not send (``--wire``: every member of a run sends
+its activations and gradients as float32 tensors under the one codec of the run's wire format).
 :class:`MicrobatchGuard` rejects each of those with a short reason code (counted and logged by
 :class:`node.dataplane.transport.DataPlane`), so none of them reaches the trainer's queues.
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Dict, Hashable, Optional, Tuple
 
 from protocol import NonFiniteTensor, ProtocolError
+from protocol.compression import NO_COMPRESSION, wire_compression
 from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone, MicrobatchId
 
 __all__ = [
@@ -34,6 +37,8 @@ __all__ = [
     "Position",
     "REASONS",
     "DEFAULT_DTYPES",
+    "DEFAULT_COMPRESSIONS",
+    "compressions_for_wire",
     "FRAME_SIZE_FACTOR",
     "ENVELOPE_MARGIN_BYTES",
     "DEFAULT_MAX_REPLAY_ENTRIES",
@@ -41,9 +46,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The trainer sends fp32 activations and gradients (``TensorFrame.from_tensor`` of an fp32
-#: module, no autocast anywhere); fp16/bf16 would only be accepted if a run produced them.
+#: A stage hands out float32 activations and gradients whatever its compute precision
+#: (``node.train.runtime.BOUNDARY_DTYPE``); the wire format is the frame's codec, not its dtype.
 DEFAULT_DTYPES: Tuple[str, ...] = ("float32",)
+#: Codecs accepted by default: the ``fp32`` wire format (raw bytes).
+DEFAULT_COMPRESSIONS: Tuple[str, ...] = (NO_COMPRESSION,)
 #: A frame may be at most this many times the fp32 tensor of ``hidden_shape``: the tensor is all
 #: an honest frame carries, and 2x leaves room for any wire dtype (none is wider than 8 bytes).
 FRAME_SIZE_FACTOR = 2
@@ -60,6 +67,7 @@ _FP32_BYTES = 4
 WRONG_RUN = "wrong_run"
 WRONG_DTYPE = "wrong_dtype"
 WRONG_SHAPE = "wrong_shape"
+WRONG_COMPRESSION = "wrong_compression"
 BAD_TENSOR = "bad_tensor"
 NON_FINITE = "non_finite"
 OUT_OF_EPOCH = "out_of_epoch"
@@ -72,7 +80,12 @@ NOT_MEMBER = "not_member"
 REPLAYED = "replayed"
 REASONS: Tuple[str, ...] = (WRONG_RUN, WRONG_DTYPE, WRONG_SHAPE, BAD_TENSOR, NON_FINITE, OUT_OF_EPOCH,
                             STALE_ITERATION, FUTURE_ITERATION, NOT_FOR_US, BAD_HOP, WRONG_SENDER, NOT_MEMBER,
-                            REPLAYED)
+                            REPLAYED, WRONG_COMPRESSION)
+
+
+def compressions_for_wire(wire: str) -> Tuple[str, ...]:
+    """The frame codecs a run with wire format ``wire`` (``--wire``) accepts: exactly its own."""
+    return (wire_compression(wire),)
 
 #: ``position()`` result: (current epoch, current iteration). The epoch may also be given as a
 #: set of epochs still accepted (its minimum is the current one).
@@ -103,6 +116,7 @@ class MicrobatchGuard:
         self_id: str,
         dtypes: Collection[str] = DEFAULT_DTYPES,
         members: Optional[Callable[[], Collection[str]]] = None,
+        compressions: Collection[str] = DEFAULT_COMPRESSIONS,
         max_replay_entries: int = DEFAULT_MAX_REPLAY_ENTRIES,
         envelope_margin_bytes: int = ENVELOPE_MARGIN_BYTES,
     ) -> None:
@@ -113,6 +127,7 @@ class MicrobatchGuard:
         self.position = position
         self.self_id = self_id
         self.dtypes = frozenset(dtypes)
+        self.compressions = frozenset(compressions)
         self.members = members
         self.max_replay_entries = int(max_replay_entries)
         self.max_frame_bytes = (FRAME_SIZE_FACTOR * math.prod(self.hidden_shape) * _FP32_BYTES
@@ -196,6 +211,9 @@ class MicrobatchGuard:
     def _check_tensor(self, frame) -> Optional[Rejection]:
         if frame.dtype not in self.dtypes:
             return Rejection(WRONG_DTYPE, f"dtype {frame.dtype} (this run sends {sorted(self.dtypes)})")
+        if frame.compression not in self.compressions:
+            return Rejection(WRONG_COMPRESSION, f"codec {str(frame.compression)[:40]!r} (this run sends "
+                                                f"{sorted(self.compressions)})")
         if tuple(frame.shape) != self.hidden_shape:
             return Rejection(WRONG_SHAPE, f"shape {tuple(frame.shape)[:8]} (this run sends {self.hidden_shape})")
         try:

@@ -6,7 +6,10 @@ Measured on this kind of machine (docs/training.md, shared notes): a binary stre
 opens **one persistent outgoing stream per neighbour**; every frame is one encoded protocol
 message (msgpack envelope whose tensor payload is the raw little-endian bytes of the tensor).
 Ordering per neighbour is preserved (one writer lock per stream); a broken stream is reopened
-once before the send fails. The receive side only decodes and hands the message to a callback
+once before the send fails. With a wire format other than ``fp32`` (``wire=``, the run's ``--wire``),
+each activation and gradient tensor is compressed with that codec (:mod:`protocol.compression`) in a
+worker thread before it is encoded, so the event loop never runs the codec; the receiving stage
+decompresses it in its compute thread (``TensorFrame.to_tensor``). The receive side only decodes and hands the message to a callback
 that must not block (the trainer enqueues it), so the sender is never stalled by our compute.
 
 WAN emulation (off unless a :class:`node.dataplane.emulation.LinkEmulator` is passed): every frame is
@@ -52,6 +55,8 @@ from typing import Awaitable, Callable, Dict, Optional, Tuple
 from node.compat import import_hivemind
 from node.net.ratelimit import PeerRateLimiter
 from protocol import ProtocolError, decode, encode
+from protocol.compression import NO_COMPRESSION, get_compressor, wire_compression
+from protocol.tensor import TensorFrame
 from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone
 
 __all__ = [
@@ -126,15 +131,18 @@ class DataPlane:
     def __init__(self, p2p, run_id: str, on_message: MessageHandler, emulator=None,
                  allow: Optional[Callable[[str], bool]] = None, metrics=None, guard=None,
                  frame_rate_per_s: Optional[float] = DEFAULT_FRAME_RATE_PER_S,
-                 frame_burst: float = DEFAULT_FRAME_BURST, max_streams_per_peer: int = MAX_STREAMS_PER_PEER):
+                 frame_burst: float = DEFAULT_FRAME_BURST, max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
+                 wire: str = "fp32"):
         """``emulator``: optional :class:`node.dataplane.emulation.LinkEmulator`; None (default) = no emulation.
         ``allow(peer)``: swarm access control; frames from a peer it refuses are dropped unread.
         ``metrics``: optional :class:`node.ops.metrics.NodeMetrics` (hops, bytes and rejections are counted).
         ``guard``: optional :class:`node.dataplane.guard.MicrobatchGuard` (its ``max_frame_bytes``
         replaces :data:`MAX_FRAME_BYTES`). ``frame_rate_per_s``/``frame_burst``: per-peer token
         bucket on received frames; ``frame_rate_per_s=None`` turns it off. ``max_streams_per_peer``:
-        incoming streams one peer may hold open at once (more are refused)."""
+        incoming streams one peer may hold open at once (more are refused). ``wire``: the run's wire
+        format (fp32, bf16, fp16, int8): the codec activations and gradients are sent with."""
         self.p2p = p2p
+        self.compression = wire_compression(wire)
         self.emulator = emulator
         self.allow = allow
         self.metrics = metrics
@@ -317,8 +325,22 @@ class DataPlane:
                 data = encode(dataclasses.replace(msg, deliver_at_unix=when))
         return data
 
+    def _compress(self, msg: object) -> object:
+        """``msg`` with its tensor under the run's wire codec (hop messages only; others as they are)."""
+        if (self.compression == NO_COMPRESSION or not isinstance(msg, (ActivationMessage, GradientMessage))
+                or msg.tensor.compression != NO_COMPRESSION):
+            return msg
+        frame = msg.tensor
+        payload = get_compressor(self.compression).compress(frame.data)
+        return dataclasses.replace(msg, tensor=TensorFrame(frame.dtype, frame.shape, payload, self.compression))
+
     async def send(self, peer: str, msg: object) -> None:
-        """Deliver one message; to ourselves it is handed over without touching the network."""
+        """Deliver one message; to ourselves it is handed over without touching the network.
+
+        Hop messages go under the run's wire codec either way, so a hop to ourselves is quantized
+        like any other (the single-process convergence bench quantizes every hop the same way)."""
+        if self.compression != NO_COMPRESSION and isinstance(msg, (ActivationMessage, GradientMessage)):
+            msg = await asyncio.get_running_loop().run_in_executor(None, self._compress, msg)
         if peer == self.peer_id:
             await self._deliver(msg, peer)
             return

@@ -21,6 +21,12 @@ What one :meth:`PathTrainer.train_iteration` does, and why it matches the swarm:
 * One global L2 norm over all stages, one clip coefficient, one AdamW step per stage; a stage no
   microbatch visited still steps with a zero gradient, exactly like a swarm node does.
 
+* ``wire`` (``--wire`` of the swarm: fp32, bf16, fp16, int8): every hop a swarm microbatch makes
+  (stage 0 -> first visited stage -> ... -> back to stage 0's head, and the gradients the other
+  way) goes through that wire codec here too, forward and backward, with the very codec code of
+  :mod:`protocol.compression` (a float32 frame compressed and decoded again): the convergence bench
+  measures what quantization on the wire costs per token.
+
 The optimiser, clipping arithmetic, data shards and initial weights are the ones the swarm and
 :class:`node.train.reference.ReferenceTrainer` use, so a schedule whose every path visits every stage in
 order reproduces the reference to float32 rounding. Checkpoints go through
@@ -42,6 +48,8 @@ from node.train.data import DataConfig, DataShard, TokenSplits
 from node.errors import UserError
 from node.train.model import ModelConfig, StageModule, build_stage
 from node.train.runtime import OptimConfig, clip_coefficient, make_optimizer, squared_norm
+from node.train.precision import wire_round_trip
+from protocol.compression import NO_COMPRESSION, wire_compression
 from scheduler.errors import ScheduleError
 from scheduler.schedule import Schedule
 
@@ -75,6 +83,20 @@ class IterationResult:
     clip_coef: float
     visits: List[int] = field(default_factory=list)
     tokens: int = 0
+
+
+class _WireHop(torch.autograd.Function):
+    """Identity for autograd, except that the activation (forward) and its gradient (backward) both
+    cross the wire codec, as they do between two swarm nodes."""
+
+    @staticmethod
+    def forward(ctx, x, compression):  # type: ignore[override]
+        ctx.compression = compression
+        return wire_round_trip(x, compression)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return wire_round_trip(grad, ctx.compression), None
 
 
 def _as_schedule(schedule: Union[Schedule, Mapping]) -> Schedule:
@@ -132,7 +154,7 @@ class PathTrainer:
     """
 
     def __init__(self, model: ModelConfig, optim: OptimConfig, data: DataConfig, splits: TokenSplits,
-                 schedule: Union[Schedule, Mapping], seed: int = 0, device: str = "cpu"):
+                 schedule: Union[Schedule, Mapping], seed: int = 0, device: str = "cpu", wire: str = "fp32"):
         if splits.vocab_size > model.vocab_size:
             raise UserError(f"tokenizer vocab {splits.vocab_size} exceeds model vocab {model.vocab_size}")
         sched = _as_schedule(schedule)
@@ -140,6 +162,7 @@ class PathTrainer:
             raise UserError(f"schedule has {len(sched.stages)} stages, the model {model.n_stages}")
         self.model_cfg, self.optim_cfg, self.data_cfg = model, optim, data
         self.seed, self.device = seed, device
+        self.wire, self.compression = wire, wire_compression(wire)
         self.routes = stage_routes(sched)
         self.stages: List[StageModule] = [build_stage(model, s, seed).to(device) for s in range(model.n_stages)]
         self.optimizers = [make_optimizer(m.parameters(), optim) for m in self.stages]
@@ -164,10 +187,16 @@ class PathTrainer:
         stage0 = self.stages[0]
         hidden = stage0.embed(inputs.to(self.device))
         for s in route:
-            hidden = self.stages[s](hidden)
-        loss = stage0.head_loss(hidden, targets.to(self.device))
+            hidden = self.stages[s](self._hop(hidden))
+        loss = stage0.head_loss(self._hop(hidden), targets.to(self.device))
         loss.backward()
         return float(loss.detach()), int(targets.numel())
+
+    def _hop(self, hidden: torch.Tensor) -> torch.Tensor:
+        """One hop between nodes: through the wire codec (identity for the fp32 wire)."""
+        if self.compression == NO_COMPRESSION:
+            return hidden
+        return _WireHop.apply(hidden, self.compression)
 
     def train_iteration(self) -> IterationResult:
         """Every microbatch of every data node along its route, then one optimiser step."""

@@ -103,6 +103,12 @@ def _number(d: dict, name: str, finite: bool = True) -> float:
     return x
 
 
+def _positive(x: Any, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0):
+        raise RecordError(f"{name} must be a finite positive number, got {x!r:.40}")
+    return float(x)
+
+
 def _peer(x: Any) -> str:
     if not isinstance(x, str) or not 0 < len(x) <= MAX_PEER_ID_CHARS:
         raise RecordError(f"not a peer id: {x!r:.40}")
@@ -151,6 +157,8 @@ class NormRecord:
     avg_group: Tuple[str, ...] = ()
     #: encoded schedule epochs the member knows of and others may not (see the epoch tracker)
     epochs: Tuple[bytes, ...] = field(default=(), repr=False)
+    #: the member's fp16 loss scale (1.0 in fp32/bf16): every member checks the data nodes' one
+    loss_scale: float = 1.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -172,7 +180,8 @@ class NormRecord:
                    checksum=_number(d, "checksum", finite=False), epoch=_count(d, "epoch"),
                    loss_sum=_number(d, "loss_sum", finite=False), n_mb=_count(d, "n_mb", 0),
                    tokens=_count(d, "tokens", 0), dropped=_count(d, "dropped", 0),
-                   avg_group=tuple(_peer(p) for p in group), epochs=tuple(epochs))
+                   avg_group=tuple(_peer(p) for p in group), epochs=tuple(epochs),
+                   loss_scale=_positive(d.get("loss_scale", 1.0), "loss_scale"))
 
 
 @dataclass(frozen=True)

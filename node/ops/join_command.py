@@ -46,6 +46,13 @@ def training_join_flags(args: argparse.Namespace) -> List[str]:
     flags += ["--seed", str(getattr(args, "seed", 0)), "--microbatch-size", str(getattr(args, "microbatch_size", 8))]
     if getattr(args, "seq_len", None) is not None:
         flags += ["--seq-len", str(args.seq_len)]
+    # precision and wire format are part of the run configuration every member checks; a joiner's GPU may
+    # differ, so the founder's resolved precision is passed, not "auto"
+    precision = getattr(args, "precision", "auto")
+    if precision not in (None, "auto"):
+        flags += ["--precision", str(precision)]
+    if getattr(args, "wire", "fp32") != "fp32":
+        flags += ["--wire", str(args.wire)]
     if getattr(args, "min_members", 1) != 1:
         flags += ["--min-members", str(args.min_members)]
     if getattr(args, "checkpoint_dir", None) is not None:

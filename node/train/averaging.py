@@ -30,7 +30,35 @@ import torch
 
 from node.compat import import_hivemind
 
-__all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on"]
+__all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on", "AVERAGING_COMPRESSIONS",
+           "averaging_compression_for_wire", "hivemind_compression"]
+
+#: ``AveragingConfig.compression`` -> the hivemind.compression class that carries the all-reduce traffic.
+#: No 8-bit entry: hivemind 1.1.12's BlockwiseQuantization needs bitsandbytes (not installed), and its
+#: Uniform8BitQuantization/Quantile8BitQuantization cannot *decode* under numpy >= 2.4 (``extract`` calls
+#: ``int()`` on a one-element array: "TypeError: only 0-dimensional arrays can be converted to Python
+#: scalars", measured with numpy 2.4.6 here), so every all-reduce part would fail on the receiving side.
+AVERAGING_COMPRESSIONS = {"none": "NoCompression", "fp16": "Float16Compression",
+                          "scaled-fp16": "ScaledFloat16Compression"}
+#: The run's wire format (``--wire``) -> the compression of its gradient averaging: fp32 stays exact,
+#: every narrower wire averages in fp16 (int8 too: see above why not 8 bits).
+_FOR_WIRE = {"fp32": "none", "bf16": "fp16", "fp16": "fp16", "int8": "fp16"}
+
+
+def averaging_compression_for_wire(wire: str) -> str:
+    """The averaging compression that goes with wire format ``wire`` (fp32 -> none, bf16/fp16/int8 -> fp16)."""
+    try:
+        return _FOR_WIRE[wire]
+    except KeyError:
+        raise ValueError(f"unknown wire format {wire!r}; expected one of {sorted(_FOR_WIRE)}") from None
+
+
+def hivemind_compression(name: str):
+    """A hivemind compression instance for ``AveragingConfig.compression``."""
+    if name not in AVERAGING_COMPRESSIONS:
+        raise ValueError(f"unknown averaging compression {name!r}; expected one of {sorted(AVERAGING_COMPRESSIONS)}")
+    hivemind = import_hivemind()
+    return getattr(hivemind.compression, AVERAGING_COMPRESSIONS[name])()
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +79,9 @@ class AveragingConfig:
     #: matchmaking periods: long enough that a groupmate arriving a little later is still met
     #: in the same window, short next to ``matchmaking_timeout_s``
     round_window_s: float = 10.0
+    #: how the replicas' gradients travel in the all-reduce (see AVERAGING_COMPRESSIONS); part of the
+    #: run configuration every member compares, like the rest of this class
+    compression: str = "none"
 
 
 #: Smallest weight a replica averages with (see StageAverager.average).
@@ -109,6 +140,7 @@ class StageAverager:
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.allreduce_timeout_s,
             allow_state_sharing=False,
+            compression=hivemind_compression(cfg.compression),
         )
         self._started = False
         self.last_group: tuple = ()
@@ -150,10 +182,9 @@ class StageAverager:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.matchmaking_timeout_s
         while True:
-            # every window starts from our own values (a failed all-reduce may have written some parts)
-            with self._avg.get_tensors() as buffers:
-                for buf, t in zip(buffers, tensors):
-                    buf.copy_(t.detach().cpu())
+            # every window starts from our own values (a failed all-reduce may have written some parts);
+            # copied in a worker thread: from a GPU the copy waits for the device, which the loop must not
+            await loop.run_in_executor(None, self._load, tensors)
             window = max(0.0, min(self.cfg.round_window_s, deadline - loop.time()))
             try:
                 # on the loop thread: the returned MPFuture binds to the loop that creates it (blocks ~ms)
@@ -171,14 +202,11 @@ class StageAverager:
                                self.prefix)
                 return False
             logger.debug("averaging window of %s ended without a group (%s); trying again", self.prefix, error)
-        with self._avg.get_tensors() as buffers:
-            if not all(bool(torch.isfinite(buf).all()) for buf in buffers):
-                # never let a bad round poison the stage: keep our own gradient instead
-                logger.warning("averaging round of %s returned non-finite values; keeping the local gradient",
-                               self.prefix)
-                return False
-            for buf, t in zip(buffers, tensors):
-                t.copy_(buf.to(t.device))
+        if not await loop.run_in_executor(None, self._store, tensors):
+            # never let a bad round poison the stage: keep our own gradient instead
+            logger.warning("averaging round of %s returned non-finite values; keeping the local gradient",
+                           self.prefix)
+            return False
         self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
         return True
 
@@ -190,6 +218,21 @@ class StageAverager:
         except Exception as e:  # noqa: BLE001 - any failure of the check is a "don't know"
             logger.debug("give-up check of %s failed: %r; trying another window", self.prefix, e)
             return False
+
+    def _load(self, tensors: List[torch.Tensor]) -> None:
+        """Our tensors (any device) into the averager's CPU buffers."""
+        with self._avg.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors):
+                buf.copy_(t.detach(), non_blocking=False)
+
+    def _store(self, tensors: List[torch.Tensor]) -> bool:
+        """The averaged buffers back into our tensors; False (and ours untouched) if any is not finite."""
+        with self._avg.get_tensors() as buffers:
+            if not all(bool(torch.isfinite(buf).all()) for buf in buffers):
+                return False
+            for buf, t in zip(buffers, tensors):
+                t.copy_(buf)
+        return True
 
     def shutdown(self) -> None:
         """Blocking (up to hivemind's 5 s grace, then kill): call it from an executor thread."""

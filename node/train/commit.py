@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
 from node.net.records import NormRecord, read_norm_records, write_norm_record
 from node.train.averaging import groupmates_went_on
 from node.train.common import DoneFromNorm, IterationState, IterationStats, NodeLog
+from node.train.precision import loss_scales_agree
 from node.train.runtime import clip_coefficient
 
 if TYPE_CHECKING:
@@ -76,8 +77,10 @@ class IterationCommit:
         dropped = sum(int(d.dropped) for d in st.done.values())
         averaged = await self._average(it)
         t_avg = time.perf_counter()
+        # device work (norm, checksum) runs in the compute thread, never on the event loop
+        sq, checksum = await node.pipeline.compute(lambda: (runtime.grad_squared_norm(), runtime.checksum()))
         mine = NormRecord(
-            stage=node.stage, sq=runtime.grad_squared_norm(), checksum=runtime.checksum(), epoch=node.epoch.epoch,
+            stage=node.stage, sq=sq, checksum=checksum, epoch=node.epoch.epoch, loss_scale=runtime.loss_scale,
             loss_sum=float(sum(st.losses)), n_mb=len(st.losses), tokens=st.tokens if node.is_data_node else 0,
             dropped=st.dropped if node.is_data_node else 0,
             avg_group=tuple(node.averager.last_group) if averaged and node.averager is not None else ())
@@ -87,6 +90,9 @@ class IterationCommit:
         t_norm = time.perf_counter()
         source = self._resync_source(records, mine.checksum)
         finite = math.isfinite(total_sq) and math.isfinite(mine.sq)
+        # fp16: a member whose loss scale differs from the canonical data node's skips, like on an overflow,
+        # and is re-synced; step()/skip_step() update the scale (halved on a skip)
+        finite = finite and loss_scales_agree(records, runtime.loss_scale)
 
         def step() -> None:
             if not finite:  # a poisoned gradient is never applied (replicas that stepped re-sync us)
@@ -117,7 +123,7 @@ class IterationCommit:
         assert node.runtime is not None
         group = node.epochs.replicas(node.stage)
         live = [p for p in group if node.health.is_alive(p)]
-        node.runtime.mean_grads()
+        await node.pipeline.compute(node.runtime.mean_grads)  # device work: in the compute thread
         if node.averager is None or len(live) < 2:
             if node.averager is not None:
                 self.log.warning("stage %d averaging skipped at iteration %d: no other replica in the view (%s)",

@@ -54,6 +54,9 @@ class TrainerConfig:
     averaging: AveragingConfig = AveragingConfig()
     seed: int = 0  # model initialisation; the data seed is ``data.seed``
     device: str = "cpu"
+    #: compute precision and wire format; every member of a run must use the same ones
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (node.train.precision)
+    wire: str = "fp32"  # fp32 | bf16 | fp16 | int8 (protocol.compression)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 10  # iterations; 0 = only on clean shutdown
     resume: bool = False

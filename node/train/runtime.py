@@ -7,7 +7,21 @@ that visit the node accumulate (summed) in the parameters' ``.grad``; :meth:`mea
 sum into the mean over the visiting microbatches before the replicas average it.
 
 All methods are synchronous and CPU/GPU bound: the trainer calls them from one worker thread per
-node, never concurrently, so autograd state is never shared between threads.
+node, never concurrently, so autograd state is never shared between threads (and the event loop
+never waits on the GPU).
+
+Devices: everything a stage computes lives on ``device``. Tensors handed in (decoded frames, data
+batches) are moved there by :class:`HostToDevice`: on CUDA through pinned (page-locked) host memory
+with a non-blocking copy, elsewhere as they are. Activations and gradients leave a stage as float32
+(the *boundary dtype*, whatever the compute precision), so the wire codecs of
+:mod:`protocol.compression` and the data-plane guard see one dtype.
+
+Precision (:mod:`node.train.precision`): ``precision="bf16"``/``"fp16"`` runs the stage's forward
+(and so its backward) under ``torch.autocast``; parameters, their gradients and the AdamW state stay
+float32 (the master weights). fp16 adds a :class:`~node.train.precision.LossScaler`: the data node
+multiplies the loss by its scale, every stage divides its gradients by it in :meth:`mean_grads`, a
+non-finite gradient makes :meth:`grad_squared_norm` infinite (so the swarm skips the step) and
+:meth:`step`/:meth:`skip_step` update the scale.
 
 The optimizer arithmetic (:func:`make_optimizer`, :func:`clip_coefficient`) lives here so that the
 swarm and the single-process reference use literally the same code.
@@ -21,6 +35,7 @@ monotonic time the step could have started: input arrived, node free), else from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -30,8 +45,13 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 import torch
 
 from node.train.model import StageModule
+from node.train.precision import LossScaler, autocast_dtype
 
-__all__ = ["OptimConfig", "StageRuntime", "make_optimizer", "clip_coefficient", "squared_norm"]
+__all__ = ["OptimConfig", "StageRuntime", "HostToDevice", "make_optimizer", "clip_coefficient", "squared_norm",
+           "BOUNDARY_DTYPE"]
+
+#: dtype of every activation and gradient a stage hands out (and of the frames on the wire before their codec)
+BOUNDARY_DTYPE = torch.float32
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +97,28 @@ def clip_coefficient(total_squared_norm: float, clip_norm: float) -> float:
     return min(1.0, clip_norm / (norm + CLIP_EPS))
 
 
+class HostToDevice:
+    """Moves tensors onto one device. From CPU to CUDA the tensor is staged in pinned memory
+    (torch's caching host allocator: a block is reused only once the copy out of it has finished)
+    and copied with ``non_blocking=True``, so the copy overlaps with host work; the compute that
+    uses it is queued behind the copy on the same stream. Other moves are plain ``.to``; a tensor
+    already on the device is returned as is."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self.copies = 0  # host-to-device copies made (tests and metrics)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.device or (self.device.index is None and t.device.type == self.device.type):
+            return t
+        self.copies += 1
+        if self.pinned and t.device.type == "cpu":
+            src = t if t.is_pinned() else t.pin_memory()
+            return src.to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+
 @dataclass
 class _InFlight:
     inputs: Optional[torch.Tensor]  # leaf whose .grad goes back upstream (None for the embedding start)
@@ -86,19 +128,50 @@ class _InFlight:
 class StageRuntime:
     """One stage's module plus the autograd state of the microbatches currently inside it."""
 
-    def __init__(self, module: StageModule, optim: OptimConfig, device: str = "cpu", padder=None):
-        """``padder``: optional :class:`node.dataplane.emulation.ComputePadder`; None (default) = real compute only."""
-        self.module = module.to(device)
+    def __init__(self, module: StageModule, optim: OptimConfig, device="cpu", padder=None, precision: str = "fp32"):
+        """``padder``: optional :class:`node.dataplane.emulation.ComputePadder`; None (default) = real compute only.
+        ``precision``: "fp32", "bf16" or "fp16" (autocast; see the module docstring)."""
+        self.device = torch.device(device)
+        self.module = module.to(self.device)
         self.padder = padder
         self.n_layers = len(module.layers)
-        self.device = device
         self.stage = module.stage
         self.optim_cfg = optim
+        self.precision = precision
+        self._amp_dtype = autocast_dtype(precision)
+        if self._amp_dtype is not None and self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"precision {precision} needs autocast, which device {self.device} lacks; use fp32")
+        self.scaler: Optional[LossScaler] = LossScaler() if precision == "fp16" else None
+        self.to_device = HostToDevice(self.device)
         self.optimizer = make_optimizer(self.module.parameters(), optim)
         self._in_flight: Dict[Hashable, _InFlight] = {}
         self.visits = 0  # microbatches whose backward ran here this iteration
         self.peak_in_flight = 0  # most microbatches ever held at once (memory-slot check)
+        self._overflow = False  # fp16: a gradient this stage computed this iteration was not finite
         self.reset_grads()
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the data node multiplies its loss with (1.0 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _autocast(self):
+        if self._amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._amp_dtype)
+
+    def _leaving(self, t: torch.Tensor) -> torch.Tensor:
+        """An activation or gradient as it leaves the stage: detached, float32."""
+        return t.detach().to(BOUNDARY_DTYPE)
+
+    def _gradient_out(self, g: torch.Tensor) -> torch.Tensor:
+        """With a loss scale, a non-finite input gradient is sent as zeros and marks the iteration an
+        overflow (the swarm then skips its step): a receiver's guard would refuse it, dropping the
+        microbatch, while the overflow is the loss scaler's to handle."""
+        if self.scaler is not None and not bool(torch.isfinite(g).all()):
+            self._overflow = True
+            g = torch.zeros_like(g)
+        return self._leaving(g)
 
     # ---------------------------------------------------------------- forward / backward
     @property
@@ -108,11 +181,12 @@ class StageRuntime:
     def forward(self, key: Hashable, hidden: torch.Tensor, *, ready_at: Optional[float] = None) -> torch.Tensor:
         """Apply this stage's layers; returns the activation to send on (detached)."""
         t0 = _start_time(ready_at)
-        x = hidden.to(self.device).detach().requires_grad_(True)
-        y = self.module(x)
+        x = self.to_device(hidden).detach().to(BOUNDARY_DTYPE).requires_grad_(True)
+        with self._autocast():
+            y = self.module(x)
         self._hold(key, _InFlight(x, y))
         self._pad("forward", t0, hidden)
-        return y.detach()
+        return self._leaving(y)
 
     def _pad(self, kind: str, started_at: float, batch: torch.Tensor) -> None:
         if self.padder is not None:
@@ -128,19 +202,20 @@ class StageRuntime:
         """Backward through the stored graph; returns d loss / d input and frees the microbatch."""
         t0 = _start_time(ready_at)
         state = self._in_flight.pop(key)
-        state.outputs.backward(grad_output.to(self.device))
+        state.outputs.backward(self.to_device(grad_output).to(state.outputs.dtype))
         self.visits += 1
         assert state.inputs is not None and state.inputs.grad is not None
         self._pad("backward", t0, grad_output)
-        return state.inputs.grad.detach()
+        return self._gradient_out(state.inputs.grad)
 
     def start(self, key: Hashable, tokens: torch.Tensor, *, ready_at: Optional[float] = None) -> torch.Tensor:
         """Data node: embedding + stage-0 layers for a new microbatch."""
         t0 = _start_time(ready_at)
-        y = self.module.embed(tokens.to(self.device))
+        with self._autocast():
+            y = self.module.embed(self.to_device(tokens))
         self._hold(key, _InFlight(None, y))
         self._pad("forward", t0, tokens)
-        return y.detach()
+        return self._leaving(y)
 
     def loss_backward(self, hidden: torch.Tensor, targets: torch.Tensor, *,
                       ready_at: Optional[float] = None) -> Tuple[float, torch.Tensor]:
@@ -149,18 +224,24 @@ class StageRuntime:
         Stores nothing: the head's graph is freed right here and only the gradient goes back.
         """
         t0 = _start_time(ready_at)
-        x = hidden.to(self.device).detach().requires_grad_(True)
-        loss = self.module.head_loss(x, targets.to(self.device))
-        loss.backward()
-        assert x.grad is not None
+        loss, grad = self.loss_and_grad(hidden, targets)
         self._pad("loss", t0, hidden)
-        return float(loss.detach()), x.grad.detach()
+        return float(loss), grad
+
+    def loss_and_grad(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`loss_backward` without reading the loss back to the host: (loss on the device, gradient)."""
+        x = self.to_device(hidden).detach().to(BOUNDARY_DTYPE).requires_grad_(True)
+        with self._autocast():
+            loss = self.module.head_loss(x, self.to_device(targets))
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        assert x.grad is not None
+        return loss.detach().float(), self._gradient_out(x.grad)
 
     def finish(self, key: Hashable, grad_output: torch.Tensor, *, ready_at: Optional[float] = None) -> None:
         """Data node: backward through stage-0 layers + embedding; the microbatch is complete."""
         t0 = _start_time(ready_at)
         state = self._in_flight.pop(key)
-        state.outputs.backward(grad_output.to(self.device))
+        state.outputs.backward(self.to_device(grad_output).to(state.outputs.dtype))
         self.visits += 1
         self._pad("backward", t0, grad_output)
 
@@ -183,14 +264,19 @@ class StageRuntime:
             else:
                 p.grad.zero_()
         self.visits = 0
+        self._overflow = False
 
     def mean_grads(self) -> None:
-        """Sum over visiting microbatches -> mean over them (no-op when nothing visited)."""
-        if self.visits > 1:
+        """Sum over visiting microbatches -> mean over them (no-op when nothing visited); with a loss
+        scale, also divided by it (before averaging, so the replicas exchange unscaled gradients)."""
+        divisor = max(self.visits, 1) * self.loss_scale
+        if divisor != 1:
             for g in self.grads():
-                g.div_(self.visits)
+                g.div_(divisor)
 
     def grad_squared_norm(self) -> float:
+        if self._overflow:
+            return math.inf
         return squared_norm(self.grads())
 
     def scale_grads(self, factor: float) -> None:
@@ -204,19 +290,28 @@ class StageRuntime:
             self._in_flight.clear()
         self.optimizer.step()
         self.reset_grads()
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
 
     def skip_step(self) -> None:
         """End the iteration without an optimizer step (a non-finite gradient is never applied)."""
         self._in_flight.clear()
         self.reset_grads()
+        if self.scaler is not None:
+            self.scaler.update(overflow=True)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
 
     def checksum(self) -> float:
         """Cheap parameter fingerprint; replicas of a stage must agree (re-sync is issue #6)."""

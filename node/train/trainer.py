@@ -209,7 +209,8 @@ class TrainerNode:
         self._bind_epoch(self.epochs.adopted())
         module = build_stage(self.cfg.model, self.stage, self.cfg.seed)
         self.runtime = StageRuntime(module, self.cfg.optim, self.cfg.device,
-                                    padder=getattr(self.emulation, "padder", None))
+                                    padder=getattr(self.emulation, "padder", None),
+                                    precision=self.cfg.precision)  # autocast + fp16 loss scale
         self._forward_s = await self.pipeline.compute(
             lambda: measure_forward_s(self.runtime, self.cfg, self.stage, self.emulation))
         self._build_deadlines()
@@ -241,12 +242,13 @@ class TrainerNode:
         if guard is not None:
             kwargs["guard"] = guard
         self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self.pipeline.on_message,
-                                   emulator=getattr(self.emulation, "link_emulator", None), **kwargs)
+                                   emulator=getattr(self.emulation, "link_emulator", None),
+                                   wire=self.cfg.wire, **kwargs)  # the run's codec for hop tensors
         await self.dataplane.start()
 
     def _make_guard(self):
         """Reject malformed, non-finite, replayed or out-of-epoch frames before they reach the worker."""
-        from node.dataplane.guard import MicrobatchGuard
+        from node.dataplane.guard import MicrobatchGuard, compressions_for_wire
 
         d, m = self.cfg.data, self.cfg.model
 
@@ -256,7 +258,8 @@ class TrainerNode:
 
         # senders of the current epoch and of announced ones (valid at a switch boundary)
         return MicrobatchGuard(run_id=self.cfg.run_id, hidden_shape=(d.microbatch_size, d.seq_len, m.d_model),
-                               position=position, self_id=self.peer_id, members=self.epochs.senders)
+                               position=position, self_id=self.peer_id, members=self.epochs.senders,
+                               compressions=compressions_for_wire(self.cfg.wire))  # the run's wire codec only
 
     def _make_shard(self) -> None:
         if self.is_data_node:

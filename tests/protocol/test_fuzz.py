@@ -39,6 +39,7 @@ from protocol.messages import (
     ScheduleEpoch,
     StageAdvert,
 )
+from protocol.compression import get_compressor
 from protocol.registry import registered_messages
 from protocol.tensor import DTYPES, TensorFrame
 
@@ -60,12 +61,28 @@ def _frame(rng: random.Random, dtype: str, shape: tuple[int, ...]) -> TensorFram
     return TensorFrame(dtype, shape, rng.randbytes(size))
 
 
+#: The lossy codecs of protocol.compression (the wire formats bf16, fp16, int8).
+LOSSY_CODECS = ("bf16", "fp16", "int8")
+
+
+def _compressed(rng: random.Random, codec: str, shape: tuple[int, ...]) -> TensorFrame:
+    import numpy as np
+
+    values = np.asarray([rng.gauss(0.0, 3.0) for _ in range(math.prod(shape))], dtype="<f4")
+    raw = values.tobytes()
+    return TensorFrame("float32", shape, get_compressor(codec).compress(raw), codec)
+
+
 def _corpus(rng: random.Random) -> tuple[list[bytes], list[bytes]]:
     """Valid encodings of every core message type and of frames of every dtype."""
     mb = MicrobatchId("run-1", 2, 3, "data-0", 4)
     frames = [_frame(rng, dtype, shape) for dtype in sorted(DTYPES) for shape in [(), (0,), (3,), (2, 3), (1, 2, 2)]]
     # All-ones bytes are NaN in every float format: valid frames that require_finite must refuse.
     frames += [TensorFrame(dtype, (2, 2), b"\xff" * 4 * DTYPES[dtype].itemsize) for dtype in ("float32", "float16", "bfloat16")]
+    # every lossy wire codec (protocol.compression), including int8's partial last block
+    frames += [_compressed(rng, codec, shape) for codec in LOSSY_CODECS for shape in [(0,), (3,), (2, 3), (300,)]]
+    # ... and their NaN payloads (all-ones bits; for int8 the NaN is in the block scale)
+    frames += [TensorFrame("float32", (2, 2), b"\xff" * get_compressor(c).payload_nbytes(16), c) for c in LOSSY_CODECS]
     messages: list[object] = []
     for frame in frames:
         messages.append(ActivationMessage(mb, 1, ("data-0", "p1", "p2", "data-0"), frame))
@@ -218,3 +235,31 @@ def test_arbitrary_bodies_under_valid_envelopes(type_name, body, finite):
         decode(msgpack.packb({"v": PROTOCOL_VERSION, "t": type_name, "b": body}), require_finite=finite)
     except ProtocolError:
         pass
+
+
+def _decode_fully(data: bytes, **kwargs) -> None:
+    """Decode a frame and, when that succeeds, decompress it too (what a receiving stage does)."""
+    frame = TensorFrame.from_bytes(data, **kwargs)
+    raw = frame.raw_bytes()
+    assert len(raw) == frame.nbytes  # never more than the declared raw size
+
+
+def test_fuzz_codec_payloads_decompress_or_raise_protocol_errors():
+    """Each codec's decoder on mutated payloads: a ProtocolError, or exactly the declared raw size."""
+    rng = random.Random(SEED + 1)
+    frames = [_compressed(rng, codec, shape).to_bytes() for codec in LOSSY_CODECS
+              for shape in [(1,), (5,), (2, 3), (257,), (4, 130)]]
+    outcomes: collections.Counter = collections.Counter()
+    for _ in range(3000):
+        _run(_decode_fully, _mutate(rng, frames), outcomes, require_finite=rng.random() < 0.5)
+    assert outcomes["ok"] > 0 and {"ShapeMismatch", "MalformedMessage"} <= set(outcomes), outcomes
+    for codec in LOSSY_CODECS:  # direct calls with lying sizes: never a bigger output, never another error
+        c = get_compressor(codec)
+        for _ in range(300):
+            payload, declared = rng.randbytes(rng.randint(0, 80)), rng.choice([0, 4, 8, 12, 40, 400, 2**20, 3, 7])
+            try:
+                out = c.decompress(payload, declared)
+            except ProtocolError as error:
+                outcomes[type(error).__name__] += 1
+            else:
+                assert len(out) == declared and declared <= 8 * len(payload) + 8
