@@ -52,7 +52,7 @@ from typing import Awaitable, Callable, Dict, Optional, Tuple
 from node.compat import import_hivemind
 from node.net.ratelimit import PeerRateLimiter
 from protocol import ProtocolError, decode, encode
-from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone
+from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone, NormReport
 
 __all__ = [
     "DataPlane",
@@ -71,7 +71,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Message types that travel on the data plane.
-DATA_MESSAGES = (ActivationMessage, GradientMessage, IterationDone, HopFailure)
+DATA_MESSAGES = (ActivationMessage, GradientMessage, IterationDone, HopFailure, NormReport)
 #: Cap on one received frame; an fp32 activation of the 500m model with 8 x 1024 tokens is 32 MiB.
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 #: How many times a send opens a fresh stream after the current one broke.
