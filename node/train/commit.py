@@ -2,6 +2,9 @@
 
 1. **Averaging.** Each replica turns its summed gradient into the mean over the microbatches that
    visited it, and the stage's replicas all-reduce it weighted by those counts (:mod:`averaging`).
+   Under WAN emulation hivemind's all-reduce runs over the real (loopback) network, so the phase is
+   padded to the emulated all-reduce time of the replica group's links
+   (:func:`scheduler.simulator.allreduce_time_s` of the gradient bytes; docs/emulation.md).
 2. **Norm exchange.** Every member sends its numbers (its stage's squared gradient norm, loss
    sums, parameter checksum) directly to every member of the epoch as a
    :class:`protocol.messages.NormReport` over the data plane, stores the same numbers as a
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
 
 from node.net.records import NormRecord, read_norm_records, write_norm_record
 from protocol.messages import NormReport
+from scheduler.simulator import allreduce_time_s
 from node.train.averaging import groupmates_went_on
 from node.train.common import DoneFromNorm, IterationState, IterationStats, NodeLog
 from node.train.runtime import clip_coefficient
@@ -91,6 +95,10 @@ class IterationCommit:
         self._writes: set = set()  # DHT writes of our norm records still under way
         #: members whose numbers came from the DHT instead of their direct report (all iterations)
         self.norms_from_dht = 0
+        #: WAN emulation: seconds the averaging phase was padded to its emulated all-reduce time, and
+        #: seconds the real all-reduce took beyond it (the host was slower than the emulated links)
+        self.averaging_padded_s = 0.0
+        self.averaging_overrun_s = 0.0
 
     # ------------------------------------------------------------------ direct norm reports
     def on_norm_report(self, msg: NormReport, sender: str) -> None:
@@ -201,12 +209,45 @@ class IterationCommit:
             records = {p: r.to_dict() for p, r in known.items()}
             return groupmates_went_on(node.peer_id, group, records, epoch, node.health.is_alive)
 
+        t0 = time.monotonic()
         ok = await node.averager.average(node.runtime.grads(), weight=float(node.runtime.visits),
                                          abandon_when=groupmates_gone_on)
+        await self._pad_averaging(live, time.monotonic() - t0)
         if not ok:
             self.log.warning("stage %d averaging failed; stepping with the local mean gradient (replicas are "
                              "re-synced by checksum next iteration)", node.stage)
         return ok
+
+    def emulated_allreduce_s(self, group) -> float:
+        """Seconds the all-reduce of our gradients among ``group`` takes on the emulated links (the
+        slowest link of the group, :func:`scheduler.simulator.allreduce_time_s`); 0 without link
+        emulation or when a link of the group is not emulated."""
+        node = self.node
+        emulation = node.emulation
+        if emulation is None or getattr(emulation, "link_emulator", None) is None or node.runtime is None:
+            return 0.0
+        peers = list(dict.fromkeys(group))
+        if len(peers) < 2:
+            return 0.0
+        links = {(a, b): emulation.link_between(a, b, node.peer_id) for a in peers for b in peers if a != b}
+        if any(link is None for link in links.values()):
+            return 0.0
+        n = len(peers)
+        latency = [[0.0 if i == j else links[peers[i], peers[j]].latency_s for j in range(n)] for i in range(n)]
+        bandwidth = [[1.0 if i == j else links[peers[i], peers[j]].bandwidth_Bps for j in range(n)] for i in range(n)]
+        nbytes = sum(g.numel() * g.element_size() for g in node.runtime.grads() if g is not None)
+        return allreduce_time_s(nbytes, range(n), latency, bandwidth)
+
+    async def _pad_averaging(self, group, took_s: float) -> None:
+        """Under link emulation, wait until the averaging phase took its emulated all-reduce time."""
+        target = self.emulated_allreduce_s(group)
+        if target <= 0:
+            return
+        if took_s >= target:
+            self.averaging_overrun_s += took_s - target
+            return
+        self.averaging_padded_s += target - took_s
+        await asyncio.sleep(target - took_s)
 
     # ------------------------------------------------------------------ norm exchange
     async def norm_records(self, it: int) -> Optional[Dict[str, NormRecord]]:

@@ -164,3 +164,27 @@ def test_a_data_nodes_direct_report_stands_in_for_its_iteration_done(dht):
     asyncio.run(c.maybe_done_from_norms(5, st, 0.0))
     assert st.done[A].dropped == 2 and node.checked == 1
     assert dht.reads == 0  # the report sufficed
+
+
+def test_averaging_is_padded_to_the_emulated_allreduce_time():
+    import torch
+
+    from node.dataplane.emulation import LinkSpec
+
+    fast, slow = LinkSpec(0.01, 1e6), LinkSpec(0.05, 1e5)
+    links = {frozenset((ME, A)): fast, frozenset((ME, B)): slow, frozenset((A, B)): fast}
+    emulation = SimpleNamespace(link_emulator=object(), link_between=lambda a, b, me: links[frozenset((a, b))])
+    node = FakeNode(TrainerConfig(run_id=RUN))
+    node.runtime = SimpleNamespace(grads=lambda: [torch.zeros(1000), torch.zeros(250), None])  # 5000 bytes
+    node.emulation = emulation
+    c = IterationCommit(node)
+    assert c.emulated_allreduce_s([ME]) == 0.0
+    assert c.emulated_allreduce_s([ME, A]) == pytest.approx(5000 / 1e6 + 0.02)
+    # three replicas: the slow link to B decides
+    assert c.emulated_allreduce_s([ME, A, B]) == pytest.approx(2 * 2 / 3 * 5000 / 1e5 + 0.1)
+    asyncio.run(c._pad_averaging([ME, A], 0.0))
+    assert c.averaging_padded_s == pytest.approx(0.025) and c.averaging_overrun_s == 0.0
+    asyncio.run(c._pad_averaging([ME, A], 1.0))
+    assert c.averaging_overrun_s == pytest.approx(1.0 - 0.025)
+    node.emulation = SimpleNamespace(link_emulator=None)  # no link emulation: no padding
+    assert c.emulated_allreduce_s([ME, A, B]) == 0.0
