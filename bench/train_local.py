@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List, Optional
 
 
 import torch
@@ -38,6 +38,10 @@ MICROBATCHES = 4  # per data node per iteration
 MEMORY = 2
 SKIP_PATH_LENGTH = 4
 SKIP_REPLICAS = [2, 2, 1, 1, 1]
+#: IterationStats fields printed per swarm configuration (median seconds per iteration; data node 0's),
+#: plus ``barrier_s``: per iteration the smallest norm exchange over all nodes (that of the member that
+#: finished averaging last, so it waits for no one: what the barrier itself costs), median over iterations
+PHASES = ("microbatch_s", "averaging_s", "norm_exchange_s", "step_s")
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Result:
     name: str
     iteration_s: float  # median over measured iterations
     tokens_per_s: float
+    #: swarm only: median seconds per iteration of each commit phase (IterationStats of data node 0)
+    phases: Optional[Dict[str, float]] = None
 
 
 def _median_result(name: str, seconds: List[float], tokens_per_iter: int) -> Result:
@@ -68,8 +74,18 @@ def bench_reference(name, cfg, splits, schedule, iterations, warmup, threads) ->
 async def bench_swarm(name, cfg, splits, schedule, iterations, warmup) -> Result:
     async with InProcessSwarm(schedule, cfg, splits) as swarm:
         stats = await swarm.train(warmup + iterations)
+        its = {s.iteration for s in stats[warmup:]}
+        per_it: Dict[int, List[float]] = {}
+        for n in swarm.nodes:
+            for h in n.history:
+                if h.iteration in its:
+                    per_it.setdefault(h.iteration, []).append(h.norm_exchange_s)
     measured = stats[warmup:]
-    return _median_result(name, [s.seconds for s in measured], measured[0].tokens)
+    result = _median_result(name, [s.seconds for s in measured], measured[0].tokens)
+    result.phases = {phase: statistics.median(getattr(s, phase) for s in measured) for phase in PHASES}
+    # the member that finished averaging last waits for nobody: its exchange is the barrier's own cost
+    result.phases["barrier_s"] = statistics.median(min(v) for v in per_it.values())
+    return result
 
 
 def main() -> int:
@@ -113,6 +129,12 @@ def main() -> int:
     for r in results:
         print(f"{r.name:58s} {r.iteration_s:8.3f} {r.tokens_per_s:10.0f} {r.iteration_s / base.iteration_s:11.2f} "
               f"{r.tokens_per_s / base.tokens_per_s:12.2f}")
+    for r in results:
+        if r.phases:
+            print(f"{r.name}: median per iteration " + ", ".join(
+                f"{k[:-2]} {v:.3f} s" for k, v in r.phases.items())
+                  + f"; norm exchange = {100 * r.phases['norm_exchange_s'] / r.iteration_s:.1f}% of the iteration "
+                  f"(the barrier itself {100 * r.phases['barrier_s'] / r.iteration_s:.1f}%)")
     swarm_full, swarm_skip = results[2], results[3]
     print(f"swarm skip / swarm full iteration time: {swarm_skip.iteration_s / swarm_full.iteration_s:.2f}")
     if args.json:

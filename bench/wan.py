@@ -49,8 +49,13 @@ Setup (one invocation, back to back, same model, same data):
 Measured "iteration time" = the microbatch phase of an iteration (first forward to the last
 backward, as every node learns it from the data nodes' ``IterationDone``;
 ``IterationStats.microbatch_s`` from each daemon's ``training`` RPC; the minimum over nodes),
-which is what the simulator predicts; the DP all-reduce and the DHT norm exchange are not modelled
-by the simulator and are reported separately (``full_iteration_s``).
+which is what the simulator's ``iteration_time_s`` predicts. The whole iteration (data node 0's
+``IterationStats.seconds``: microbatches, averaging, norm exchange, step; ``full_iteration_s``) is
+printed next to the simulator's ``whole_iteration_s``: the same simulation plus a commit phase
+(:func:`scheduler.simulator.commit_model`: each stage's all-reduce of its parameter bytes over the
+slowest emulated link of its replica group, then one norm message over the slowest link between
+members). The live run pads averaging to that same all-reduce time and sends the norm reports over
+the emulated links (docs/emulation.md), so both sides model the same commit.
 
 Run: ``python bench/wan.py`` (daemons; about 26 minutes on 2 cores, 3 swarms of 20 daemons one
 after another); ``--in-process`` (about 4 minutes at ``--time-scale 0.05``); ``--time-scale``, ``--iterations``,
@@ -109,6 +114,31 @@ def scaled_profile(profile, latency_scale: float, bandwidth_scale: float, comput
                    compute_s_per_sample_per_layer={})
 
 
+def stage_param_bytes(mcfg) -> List[int]:
+    """Bytes of each stage's parameters (= its gradient, fp32): what its replicas all-reduce."""
+    from node.train.model import build_stage
+
+    out = []
+    for k in range(mcfg.n_stages):
+        module = build_stage(mcfg, k)
+        out.append(sum(p.numel() * p.element_size() for p in module.parameters()))
+    return out
+
+
+def commit_for(stages: Sequence[Sequence[int]], location_of_node: Sequence[str], setting: dict):
+    """The simulator's commit phase for nodes at these locations on the emulated links (the links the
+    live run's :class:`node.dataplane.emulation.Emulation` uses: scaled profile plus hop overhead)."""
+    from node.dataplane.emulation import profile_link_spec
+    from scheduler.simulator import commit_model
+
+    n = len(location_of_node)
+    specs = [[profile_link_spec(setting["emu_profile"], location_of_node[u], location_of_node[v],
+                                hop_overhead_s=setting["hop_overhead_s"]) for v in range(n)] for u in range(n)]
+    latency = [[0.0 if u == v else specs[u][v].latency_s for v in range(n)] for u in range(n)]
+    bandwidth = [[specs[u][v].bandwidth_Bps for v in range(n)] for u in range(n)]
+    return commit_model(stages, setting["stage_param_bytes"], latency, bandwidth)
+
+
 def build_setting(args) -> dict:
     """Scaled profile, node locations, cost matrix, allocation and the three schedules."""
     from node.train.model import model_config
@@ -148,7 +178,10 @@ def build_setting(args) -> dict:
     busy = link_busy_matrix(nodes, emu_profile, tiny)
     predicted = {k: simulate(s, cost, link_busy_s=busy).iteration_time_s for k, s in schedules.items()}
     unshared = {k: simulate(s, cost).iteration_time_s for k, s in schedules.items()}
-    return {"model": mcfg, "profile": profile, "emu_profile": emu_profile, "locations": [n.location for n in nodes],
+    setting = {"emu_profile": emu_profile, "hop_overhead_s": hop, "stage_param_bytes": stage_param_bytes(mcfg)}
+    commit = commit_for(stages, [n.location for n in nodes], setting)
+    whole = {k: simulate(s, cost, link_busy_s=busy, commit=commit).whole_iteration_s for k, s in schedules.items()}
+    return {"predicted_whole": whole, "commit": commit, "stage_param_bytes": setting["stage_param_bytes"],"model": mcfg, "profile": profile, "emu_profile": emu_profile, "locations": [n.location for n in nodes],
             "cost": cost, "stages": [list(s) for s in stages], "schedules": schedules, "predicted": predicted,
             "predicted_unshared": unshared,
             "compute_s_per_sample_per_layer": compute, "latency_scale": ts, "bandwidth_scale": bandwidth_scale,
@@ -199,6 +232,7 @@ async def run_live(args, setting: dict) -> Dict[str, dict]:
             behind = _behind([asdict(h) for n in swarm.nodes for h in n.history], its)
             results[name] = {"iterations_s": mb, **behind, "mean_s": statistics.fmean(mb), "full_iteration_s": full,
                              "predicted_s": setting["predicted"][name],
+                             "predicted_whole_s": setting["predicted_whole"][name],
                              "predicted_unshared_links_s": setting["predicted_unshared"][name],
                              "mean_full_iteration_s": statistics.fmean(full), "overcommits": overcommits,
                              "wall_s": time.perf_counter() - t_run}
@@ -258,10 +292,10 @@ def _daemon_args(args, setting: dict, policy: str, locations: Sequence[str]):
 
 
 def predict_epoch(schedule_json: dict, members: Sequence[str], location_of: Dict[str, str],
-                  setting: dict) -> Tuple[float, float]:
+                  setting: dict) -> Tuple[float, float, float]:
     """Simulated microbatch phase of an adopted epoch on the emulated cost of its members:
-    ``(shared, unshared)``, with transfers on one link queueing for it (as the emulated links make
-    them) and without (the reference's model)."""
+    ``(shared, unshared, whole)``, with transfers on one link queueing for it (as the emulated links
+    make them) and without (the reference's model); ``whole`` adds the commit phase to ``shared``."""
     from scheduler.cost import CostParams, NodeSpec, build_cost, link_busy_matrix
     from scheduler.schedule import Schedule
     from scheduler.simulator import simulate
@@ -271,7 +305,9 @@ def predict_epoch(schedule_json: dict, members: Sequence[str], location_of: Dict
     cost = build_cost(nodes, setting["emu_profile"], setting["shape"], CostParams(hop_overhead_s=setting["hop_overhead_s"]))
     busy = link_busy_matrix(nodes, setting["emu_profile"], setting["shape"])
     schedule = Schedule.from_json(schedule_json)
-    return (simulate(schedule, cost, link_busy_s=busy).iteration_time_s, simulate(schedule, cost).iteration_time_s)
+    commit = commit_for(schedule_json["stages"], [location_of[m] for m in members], setting)
+    shared = simulate(schedule, cost, link_busy_s=busy, commit=commit)
+    return shared.iteration_time_s, simulate(schedule, cost).iteration_time_s, shared.whole_iteration_s
 
 
 def _route_stages(schedule_json: dict) -> List[List[int]]:
@@ -346,7 +382,7 @@ def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib
     behind = _behind([h for hist in histories for h in hist], its)
     lead = done[0]["history"]
     full = [next(h["seconds"] for h in lead if h["iteration"] == i) for i in its]
-    predicted, unshared = predict_epoch(sched["schedule"], sched["members"], location_of, setting)
+    predicted, unshared, whole = predict_epoch(sched["schedule"], sched["members"], location_of, setting)
     routes = _route_stages(sched["schedule"])
     print(f"  {name}: epoch {sched['epoch']} ({len(sched['schedule']['paths'])} paths, route lengths "
           f"{sorted({len(r) for r in routes})}); iterations {', '.join(f'{x:.2f}' for x in mb)} s (microbatch phase); "
@@ -354,7 +390,7 @@ def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib
           f"{_behind_text(behind)}", flush=True)
     return {"iterations_s": mb, **behind, "mean_s": statistics.fmean(mb), "full_iteration_s": full,
             "mean_full_iteration_s": statistics.fmean(full), "predicted_s": predicted,
-            "predicted_unshared_links_s": unshared,
+            "predicted_unshared_links_s": unshared, "predicted_whole_s": whole,
             "overcommits": sum(int(st.get("overcommits") or 0) for st in done.values()),
             "daemons_ready_s": ready_s, "wall_s": wall, "leftover_processes": len(leftover),
             "epoch": sched["epoch"], "epoch_schedule": sched["schedule"], "members": sched["members"],
@@ -476,20 +512,29 @@ def _main(argv=None) -> int:
         startup = statistics.fmean(r["daemons_ready_s"] for r in live.values())
     rows = []
     print(f"{'schedule':<16}{'measured s/it':>14}{'predicted':>11}{'error':>9}{'vs full':>9}{'+avg/norm s/it':>16}"
-          f"{'unshared links':>16}{'error':>9}")
+          f"{'predicted':>11}{'vs full':>9}{'unshared links':>16}{'error':>9}")
     full_m, full_p = live[names[0]]["mean_s"], live[names[0]]["predicted_s"]
+    whole_m, whole_p = live[names[0]]["mean_full_iteration_s"], live[names[0]]["predicted_whole_s"]
     for name in names:
         m, p = live[name]["mean_s"], live[name]["predicted_s"]
         err = (m - p) / p * 100
         rows.append({**live[name], "schedule": name, "measured_s": m, "predicted_s": p, "error_pct": err,
                      "measured_vs_full": m / full_m, "predicted_vs_full": p / full_p,
+                     "whole_measured_vs_full": live[name]["mean_full_iteration_s"] / whole_m,
+                     "whole_predicted_vs_full": live[name]["predicted_whole_s"] / whole_p,
                      "planned_here_predicted_s": setting["predicted"][name]})
         pu = live[name]["predicted_unshared_links_s"]
-        print(f"{name:<16}{m:>14.2f}{p:>11.2f}{err:>+8.1f}%{m / full_m:>9.3f}{live[name]['mean_full_iteration_s']:>16.2f}"
+        wm, wp = live[name]["mean_full_iteration_s"], live[name]["predicted_whole_s"]
+        print(f"{name:<16}{m:>14.2f}{p:>11.2f}{err:>+8.1f}%{m / full_m:>9.3f}{wm:>16.2f}{wp:>11.2f}{wm / whole_m:>9.3f}"
               f"{pu:>16.2f}{(m - pu) / pu * 100:>+8.1f}%")
     sk = rows[-1]
     print(f"SkipPipe / full: measured {sk['measured_vs_full']:.3f}, predicted {sk['predicted_vs_full']:.3f} "
-          f"(targets: measured <= 0.50, prediction within 15%: {abs(sk['error_pct']):.1f}%)")
+          f"(targets: measured <= 0.50, prediction within 15%: {abs(sk['error_pct']):.1f}%); whole iteration: "
+          f"measured {sk['whole_measured_vs_full']:.3f}, predicted {sk['whole_predicted_vs_full']:.3f}")
+    commit = setting["commit"]
+    print(f"  predicted commit phase: averaging {commit.averaging_s:.2f} s (per stage "
+          f"{', '.join(f'{s:.2f}' for s in commit.allreduce_s.values())}; parameter bytes "
+          f"{setting['stage_param_bytes']}), norm exchange {commit.norm_exchange_s:.2f} s")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {

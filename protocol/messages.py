@@ -30,6 +30,10 @@ __all__ = [
     "GradientMessage",
     "HopFailure",
     "IterationDone",
+    "NormReport",
+    "NORM_REPORT_MAX_GROUP",
+    "NORM_REPORT_MAX_EPOCHS",
+    "NORM_REPORT_MAX_EPOCH_BYTES",
     "StageAdvert",
     "MembershipEvent",
     "LinkReport",
@@ -175,6 +179,58 @@ class IterationDone:
         """Counters are non-negative."""
         _non_negative("IterationDone", epoch=self.epoch, iteration=self.iteration, dropped=self.dropped)
         _non_negative("IterationDone.visits", **{"[" + repr(k[:100]) + "]": v for k, v in self.visits.items()})
+
+
+#: Bounds of a :class:`NormReport` (the same as the DHT norm record's, node.net.records).
+NORM_REPORT_MAX_GROUP: int = 1024
+NORM_REPORT_MAX_EPOCHS: int = 8
+NORM_REPORT_MAX_EPOCH_BYTES: int = 256 * 1024
+
+
+@register_message
+@dataclass(frozen=True)
+class NormReport:
+    """A member's numbers for one iteration, sent directly to every member of the epoch after its
+    averaging round: the per-iteration barrier (the DHT norm record carries the same numbers and
+    is only read for a member whose report did not arrive).
+
+    ``sq`` (the stage's squared gradient norm), ``checksum`` and ``loss_sum`` may be non-finite
+    (a poisoned gradient or a diverged replica must be seen by everyone), but ``sq`` is never
+    negative. ``epochs`` are encoded schedule epochs the sender knows of and others may not.
+    """
+
+    TYPE: ClassVar[str] = "norm_report"
+
+    run_id: str
+    epoch: int
+    iteration: int
+    peer_id: str
+    stage: int
+    sq: float
+    checksum: float
+    loss_sum: float
+    n_mb: int
+    tokens: int
+    dropped: int
+    avg_group: tuple[str, ...] = ()
+    epochs: tuple[bytes, ...] = ()
+    #: the sender's fp16 loss scale (1.0 in fp32/bf16): members check the data nodes' one
+    loss_scale: float = 1.0
+
+    def validate(self, options: DecodeOptions) -> None:
+        """Counters are non-negative, ``sq`` is not negative (NaN and inf are allowed), lists are bounded,
+        the loss scale is finite and positive."""
+        _non_negative("NormReport", epoch=self.epoch, iteration=self.iteration, stage=self.stage,
+                      n_mb=self.n_mb, tokens=self.tokens, dropped=self.dropped)
+        if self.sq < 0:  # NaN compares False: allowed, like inf
+            raise MalformedMessage(f"NormReport.sq must not be negative, got {self.sq!r}")
+        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise MalformedMessage(f"NormReport.loss_scale must be finite and positive, got {self.loss_scale!r}")
+        if len(self.avg_group) > NORM_REPORT_MAX_GROUP:
+            raise MalformedMessage(f"NormReport.avg_group names more than {NORM_REPORT_MAX_GROUP} peers")
+        if len(self.epochs) > NORM_REPORT_MAX_EPOCHS or any(len(e) > NORM_REPORT_MAX_EPOCH_BYTES for e in self.epochs):
+            raise MalformedMessage(f"NormReport.epochs must be at most {NORM_REPORT_MAX_EPOCHS} encoded epochs of "
+                                   f"at most {NORM_REPORT_MAX_EPOCH_BYTES} bytes")
 
 
 @register_message

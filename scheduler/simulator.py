@@ -18,8 +18,14 @@ Model (the reference's ``com_sym.py`` model, event-driven instead of 1-second sl
   first come first served, and the rest of ``link_s`` (latency, per-hop overhead) follows. That is
   what a real link and :mod:`node.dataplane.emulation` do, and it matters where routes collide: on the
   geo-distributed profile a random-skip schedule's prediction moves from 17.3 s to 21.4 s with
-  sharing, and the live in-process run measured 21.4 s (docs/emulation.md). No DP all-reduce is
-  modelled.
+  sharing, and the live in-process run measured 21.4 s (docs/emulation.md).
+* Optional commit phase (``commit=`` :class:`CommitModel`): after the microbatches, each stage's
+  replicas all-reduce their gradients (:func:`allreduce_time_s`: bytes of the stage's parameters
+  over the slowest link of the replica group), then every member sends its norm to every member
+  (one message over the slowest link between members). The runtime starts averaging after the
+  iteration's global barrier (every data node's ``IterationDone``), so the commit adds the
+  slowest stage's all-reduce plus the norm exchange to the microbatch phase:
+  :attr:`SimResult.whole_iteration_s`. Without it the commit costs nothing (the reference's model).
 
 The iteration time is when the last backward finishes at its data node. If microbatches wait
 on each other's memory forever the result has ``deadlock=True`` and infinite time (valid
@@ -37,7 +43,10 @@ from scheduler.cost import CostMatrix
 from scheduler.errors import ScheduleError
 from scheduler.schedule import Schedule
 
-__all__ = ["Task", "SimResult", "simulate", "simulate_routes"]
+__all__ = ["Task", "SimResult", "CommitModel", "allreduce_time_s", "commit_model", "simulate", "simulate_routes"]
+
+#: Bytes of one norm message on the wire (its numbers, peer ids and envelope; no announced epochs).
+NORM_REPORT_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,74 @@ class SimResult:
     busy_s: tuple[float, ...]
     timelines: tuple[tuple[Task, ...], ...]
     deadlock: bool = False
+    #: with a :class:`CommitModel`: the slowest stage's all-reduce, and the norm exchange (else 0)
+    averaging_s: float = 0.0
+    norm_exchange_s: float = 0.0
+
+    @property
+    def whole_iteration_s(self) -> float:
+        """Microbatch phase, then averaging, then the norm exchange (= ``iteration_time_s`` without a commit model)."""
+        return self.iteration_time_s + self.averaging_s + self.norm_exchange_s
+
+
+def allreduce_time_s(param_bytes: float, group: Sequence[int], latency_s: Sequence[Sequence[float]],
+                     bandwidth_Bps: Sequence[Sequence[float]]) -> float:
+    """Seconds for the replicas ``group`` (node ids) to all-reduce ``param_bytes`` of gradients.
+
+    hivemind's butterfly all-reduce: each of the n peers reduces 1/n of the vector, so it sends and
+    receives (n - 1)/n of the vector in the reduce-scatter and again in the all-gather. Over the
+    slowest link of the group (lowest bandwidth, highest latency; a part waits for its slowest
+    sender) that is ``2 (n - 1)/n * bytes / bandwidth + 2 * latency``. A lone replica: 0."""
+    nodes = sorted(set(group))
+    n = len(nodes)
+    if n < 2:
+        return 0.0
+    if not (math.isfinite(param_bytes) and param_bytes >= 0):
+        raise ScheduleError("cost", f"param_bytes = {param_bytes} must be finite and >= 0")
+    pairs = [(u, v) for u in nodes for v in nodes if u != v]
+    bandwidth = min(bandwidth_Bps[u][v] for u, v in pairs)
+    latency = max(latency_s[u][v] for u, v in pairs)
+    if not bandwidth > 0:
+        raise ScheduleError("cost", f"bandwidth within replica group {nodes} must be > 0")
+    return 2.0 * (n - 1) / n * param_bytes / bandwidth + 2.0 * latency
+
+
+@dataclass(frozen=True)
+class CommitModel:
+    """The commit after an iteration's microbatches: ``allreduce_s[stage]`` (seconds for that stage's
+    replicas to average, 0 for a lone replica) and ``norm_exchange_s`` (the norm barrier)."""
+
+    allreduce_s: Mapping[int, float]
+    norm_exchange_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for stage, s in self.allreduce_s.items():
+            if not (math.isfinite(s) and s >= 0):
+                raise ScheduleError("cost", f"allreduce_s[{stage}] = {s} must be finite and >= 0")
+        if not (math.isfinite(self.norm_exchange_s) and self.norm_exchange_s >= 0):
+            raise ScheduleError("cost", f"norm_exchange_s = {self.norm_exchange_s} must be finite and >= 0")
+
+    @property
+    def averaging_s(self) -> float:
+        """Stages average in parallel: the slowest one."""
+        return max(self.allreduce_s.values(), default=0.0)
+
+
+def commit_model(stages: Sequence[Sequence[int]], stage_param_bytes: Sequence[float],
+                 latency_s: Sequence[Sequence[float]], bandwidth_Bps: Sequence[Sequence[float]],
+                 members: Sequence[int] | None = None, norm_bytes: float = NORM_REPORT_BYTES) -> CommitModel:
+    """A :class:`CommitModel` from links: ``stages[k]`` lists the nodes holding stage k (their
+    replica group), ``stage_param_bytes[k]`` the bytes of its parameters (= its gradient),
+    ``latency_s``/``bandwidth_Bps`` per directed pair of nodes. The norm exchange is one message of
+    ``norm_bytes`` over the slowest link between ``members`` (default: every node of ``stages``)."""
+    if len(stage_param_bytes) != len(stages):
+        raise ScheduleError("cost", f"{len(stage_param_bytes)} parameter sizes for {len(stages)} stages")
+    allreduce = {k: allreduce_time_s(stage_param_bytes[k], group, latency_s, bandwidth_Bps)
+                 for k, group in enumerate(stages)}
+    nodes = sorted(set(members if members is not None else (v for g in stages for v in g)))
+    pairs = [(u, v) for u in nodes for v in nodes if u != v]
+    norm = max((latency_s[u][v] + norm_bytes / bandwidth_Bps[u][v] for u, v in pairs), default=0.0)
+    return CommitModel(allreduce, norm)
 
 
 def simulate(
@@ -73,16 +150,17 @@ def simulate(
     record_timelines: bool = True,
     task_gap_s: float = 0.0,
     link_busy_s: Sequence[Sequence[float]] | None = None,
+    commit: CommitModel | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` with ``cost`` (default: the schedule's own). Does not validate;
-    call :func:`scheduler.validate.validate_schedule` first for untrusted input. ``link_busy_s``:
-    see :func:`simulate_routes`."""
+    call :func:`scheduler.validate.validate_schedule` first for untrusted input. ``link_busy_s``,
+    ``commit``: see :func:`simulate_routes`."""
     cost = schedule.cost if cost is None else cost
     if cost is None:
         raise ScheduleError("cost", "the schedule has no cost matrix and none was given")
     return simulate_routes(
         schedule.dispatch_order(), cost, schedule.memory, record_timelines=record_timelines, task_gap_s=task_gap_s,
-        link_busy_s=link_busy_s,
+        link_busy_s=link_busy_s, commit=commit,
     )
 
 
@@ -94,6 +172,7 @@ def simulate_routes(
     record_timelines: bool = False,
     task_gap_s: float = 0.0,
     link_busy_s: Sequence[Sequence[float]] | None = None,
+    commit: CommitModel | None = None,
 ) -> SimResult:
     """Simulate microbatches given as, per data node, the route of each microbatch in dispatch
     order.
@@ -104,6 +183,8 @@ def simulate_routes(
         serialisation part of ``link_s[u][v]``, see :func:`scheduler.cost.link_busy_matrix`);
         a transfer that finds its link busy waits for it, then takes ``link_s[u][v]`` in all.
         None (default): links are never busy (the reference's model).
+    commit: the averaging and norm exchange after the microbatches (:class:`CommitModel`, e.g. from
+        :func:`commit_model`); the result's ``whole_iteration_s`` includes them. None: no commit phase.
     """
     n = cost.n_nodes
     if link_busy_s is not None:
@@ -209,4 +290,6 @@ def simulate_routes(
     deadlock = done < total
     it = math.inf if deadlock else max(finish.values(), default=0.0)
     tl = tuple(tuple(x) for x in timelines) if timelines is not None else tuple(() for _ in range(n))
-    return SimResult(it, finish, tuple(busy_s), tl, deadlock)
+    if commit is None:
+        return SimResult(it, finish, tuple(busy_s), tl, deadlock)
+    return SimResult(it, finish, tuple(busy_s), tl, deadlock, commit.averaging_s, commit.norm_exchange_s)

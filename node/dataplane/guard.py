@@ -29,7 +29,7 @@ from typing import Callable, Collection, Dict, Hashable, Optional, Tuple
 
 from protocol import NonFiniteTensor, ProtocolError
 from protocol.compression import NO_COMPRESSION, wire_compression
-from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone, MicrobatchId
+from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone, MicrobatchId, NormReport
 
 __all__ = [
     "MicrobatchGuard",
@@ -151,6 +151,8 @@ class MicrobatchGuard:
             return self._check_done(msg, sender, pos)
         if isinstance(msg, HopFailure):
             return self._check_failure(msg)
+        if isinstance(msg, NormReport):  # the direct norm exchange (node.train.commit)
+            return self._check_norm_report(msg, sender, pos)
         return Rejection(NOT_FOR_US, f"{type(msg).__name__} does not travel on the data plane")
 
     # ------------------------------------------------------------------ rules
@@ -239,6 +241,23 @@ class MicrobatchGuard:
             return Rejection(WRONG_RUN, f"HopFailure of run {msg.mb.run_id[:64]!r}")
         if msg.mb.data_node != self.self_id:
             return Rejection(NOT_FOR_US, "HopFailure about another data node's microbatch")
+        return None
+
+    # ------------------------------------------------------------------ norm reports (barrier)
+    def _check_norm_report(self, msg: NormReport, sender: str, pos: Optional[Tuple[int, int]]) -> Optional[Rejection]:
+        """A member's own report, of this run, for the current or next iteration, with sane numbers
+        (the decoder already refused negative counters and a negative ``sq``; NaN/inf pass: a
+        poisoned gradient must reach everyone so that all skip the step). No epoch rule, as for
+        ``IterationDone``: the trainer leaves out numbers of another epoch and learns from them."""
+        if msg.run_id != self.run_id:
+            return Rejection(WRONG_RUN, f"NormReport of run {msg.run_id[:64]!r}")
+        if sender != msg.peer_id:
+            return Rejection(WRONG_SENDER, f"NormReport in the name of {msg.peer_id[-8:]}")
+        rejection = self._check_window(None, msg.iteration, pos)
+        if rejection is not None:
+            return rejection
+        if self.members is not None and sender not in self.members():
+            return Rejection(NOT_MEMBER, "NormReport from a peer outside the schedule")
         return None
 
     # ------------------------------------------------------------------ replay memory

@@ -57,7 +57,7 @@ from node.net.ratelimit import PeerRateLimiter
 from protocol import ProtocolError, decode, encode
 from protocol.compression import NO_COMPRESSION, get_compressor, wire_compression
 from protocol.tensor import TensorFrame
-from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone
+from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone, NormReport
 
 __all__ = [
     "DataPlane",
@@ -76,7 +76,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Message types that travel on the data plane.
-DATA_MESSAGES = (ActivationMessage, GradientMessage, IterationDone, HopFailure)
+DATA_MESSAGES = (ActivationMessage, GradientMessage, IterationDone, HopFailure, NormReport)
 #: Cap on one received frame; an fp32 activation of the 500m model with 8 x 1024 tokens is 32 MiB.
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 #: How many times a send opens a fresh stream after the current one broke.

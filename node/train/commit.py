@@ -2,8 +2,14 @@
 
 1. **Averaging.** Each replica turns its summed gradient into the mean over the microbatches that
    visited it, and the stage's replicas all-reduce it weighted by those counts (:mod:`averaging`).
-2. **Norm exchange.** Every member publishes a :class:`node.net.records.NormRecord` (its stage's
-   squared gradient norm, loss sums, parameter checksum) and waits for every member's; the global
+   Under WAN emulation hivemind's all-reduce runs over the real (loopback) network, so the phase is
+   padded to the emulated all-reduce time of the replica group's links
+   (:func:`scheduler.simulator.allreduce_time_s` of the gradient bytes; docs/emulation.md).
+2. **Norm exchange.** Every member sends its numbers (its stage's squared gradient norm, loss
+   sums, parameter checksum) directly to every member of the epoch as a
+   :class:`protocol.messages.NormReport` over the data plane, stores the same numbers as a
+   :class:`node.net.records.NormRecord` in the DHT, and waits for every member's; the DHT records
+   are read only for members whose report did not arrive within ``norm_direct_grace_s``. The global
    norm is the square root of the sum over stages (one value per stage: the replica with the
    smallest peer id, so every node computes the same number). A member silent for
    ``norm_exchange_timeout_s`` is suspected and left out: a hung node must not stop the swarm.
@@ -23,6 +29,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
 
 from node.net.records import NormRecord, read_norm_records, write_norm_record
+from protocol.messages import NormReport
+from scheduler.simulator import allreduce_time_s
 from node.train.averaging import groupmates_went_on
 from node.train.common import DoneFromNorm, IterationState, IterationStats, NodeLog
 from node.train.precision import loss_scales_agree
@@ -31,7 +39,7 @@ from node.train.runtime import clip_coefficient
 if TYPE_CHECKING:
     from node.train.trainer import TrainerNode
 
-__all__ = ["IterationCommit", "resync_source", "global_squared_norm"]
+__all__ = ["IterationCommit", "resync_source", "global_squared_norm", "norm_report", "record_of_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,22 @@ def global_squared_norm(records: Mapping[str, NormRecord]) -> float:
     return sum(sq for _, sq in per_stage.values())
 
 
+def norm_report(run_id: str, iteration: int, peer_id: str, record: NormRecord) -> NormReport:
+    """The direct message carrying ``record`` (the same numbers as the DHT record)."""
+    return NormReport(run_id=run_id, epoch=record.epoch, iteration=iteration, peer_id=peer_id, stage=record.stage,
+                      sq=float(record.sq), checksum=float(record.checksum), loss_sum=float(record.loss_sum),
+                      n_mb=record.n_mb, tokens=record.tokens, dropped=record.dropped,
+                      avg_group=tuple(record.avg_group), epochs=tuple(record.epochs),
+                      loss_scale=float(record.loss_scale))
+
+
+def record_of_report(msg: NormReport) -> NormRecord:
+    """The record a :class:`NormReport` carries (inverse of :func:`norm_report`)."""
+    return NormRecord(stage=msg.stage, sq=msg.sq, checksum=msg.checksum, epoch=msg.epoch, loss_sum=msg.loss_sum,
+                      n_mb=msg.n_mb, tokens=msg.tokens, dropped=msg.dropped, avg_group=tuple(msg.avg_group),
+                      epochs=tuple(msg.epochs), loss_scale=msg.loss_scale)
+
+
 class IterationCommit:
     """Averaging, norm exchange, clipping, resync and step of one :class:`TrainerNode`."""
 
@@ -67,6 +91,62 @@ class IterationCommit:
         self.cfg = node.cfg
         self.log = NodeLog(logger, node.node_name)
         self.resyncs = 0
+        #: iteration -> peer -> the record its direct NormReport carried
+        self._reports: Dict[int, Dict[str, NormRecord]] = {}
+        self._report_arrived: Optional[asyncio.Event] = None
+        self._writes: set = set()  # DHT writes of our norm records still under way
+        #: members whose numbers came from the DHT instead of their direct report (all iterations)
+        self.norms_from_dht = 0
+        #: WAN emulation: seconds the averaging phase was padded to its emulated all-reduce time, and
+        #: seconds the real all-reduce took beyond it (the host was slower than the emulated links)
+        self.averaging_padded_s = 0.0
+        self.averaging_overrun_s = 0.0
+
+    # ------------------------------------------------------------------ direct norm reports
+    def on_norm_report(self, msg: NormReport, sender: str) -> None:
+        """Data-plane callback: a member's numbers for an iteration (the guard checked the sender)."""
+        node = self.node
+        if (msg.run_id != self.cfg.run_id or sender != msg.peer_id or msg.iteration <= node.committed_iteration
+                or msg.iteration > node.current_iteration + 1):
+            return
+        self._reports.setdefault(msg.iteration, {})[msg.peer_id] = record_of_report(msg)
+        if self._report_arrived is not None:
+            self._report_arrived.set()
+
+    def direct_records(self, it: int) -> Dict[str, NormRecord]:
+        """Iteration ``it``'s records of the members that reached us directly."""
+        members = set(self.node.members)
+        return {p: r for p, r in self._reports.get(it, {}).items() if p in members}
+
+    def _forget_reports(self, it: int) -> None:
+        for old in [k for k in self._reports if k <= it]:
+            del self._reports[old]
+
+    def _send_reports(self, it: int, record: NormRecord) -> None:
+        node = self.node
+        if node.dataplane is None:
+            return
+        msg = norm_report(self.cfg.run_id, it, node.peer_id, record)
+        for peer in node.members:
+            if peer != node.peer_id and node.health.is_alive(peer):
+                node.pipeline.send_control(peer, msg)
+
+    def _write_record(self, it: int, record: NormRecord) -> None:
+        """Store our record in the DHT in the background (the fallback for members our report missed)."""
+        node = self.node
+
+        async def write() -> None:
+            try:
+                await write_norm_record(node.dht, self.cfg.run_id, it, node.peer_id, record,
+                                        ttl_s=self.cfg.norm_record_ttl_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the direct reports carry the numbers too
+                self.log.warning("storing the norm record of iteration %d failed: %r", it, e)
+
+        task = asyncio.create_task(write())
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
     async def commit(self, it: int, st: IterationState, t0: float, t_mb: float,
                      behind: Tuple[float, float]) -> IterationStats:
@@ -132,15 +212,49 @@ class IterationCommit:
         epoch = node.epoch.epoch
 
         async def groupmates_gone_on() -> bool:
-            records = {p: r.to_dict() for p, r in (await self.norm_records(it) or {}).items()}
+            known = {**(await self.norm_records(it) or {}), **self.direct_records(it)}
+            records = {p: r.to_dict() for p, r in known.items()}
             return groupmates_went_on(node.peer_id, group, records, epoch, node.health.is_alive)
 
+        t0 = time.monotonic()
         ok = await node.averager.average(node.runtime.grads(), weight=float(node.runtime.visits),
                                          abandon_when=groupmates_gone_on)
+        await self._pad_averaging(live, time.monotonic() - t0)
         if not ok:
             self.log.warning("stage %d averaging failed; stepping with the local mean gradient (replicas are "
                              "re-synced by checksum next iteration)", node.stage)
         return ok
+
+    def emulated_allreduce_s(self, group) -> float:
+        """Seconds the all-reduce of our gradients among ``group`` takes on the emulated links (the
+        slowest link of the group, :func:`scheduler.simulator.allreduce_time_s`); 0 without link
+        emulation or when a link of the group is not emulated."""
+        node = self.node
+        emulation = node.emulation
+        if emulation is None or getattr(emulation, "link_emulator", None) is None or node.runtime is None:
+            return 0.0
+        peers = list(dict.fromkeys(group))
+        if len(peers) < 2:
+            return 0.0
+        links = {(a, b): emulation.link_between(a, b, node.peer_id) for a in peers for b in peers if a != b}
+        if any(link is None for link in links.values()):
+            return 0.0
+        n = len(peers)
+        latency = [[0.0 if i == j else links[peers[i], peers[j]].latency_s for j in range(n)] for i in range(n)]
+        bandwidth = [[1.0 if i == j else links[peers[i], peers[j]].bandwidth_Bps for j in range(n)] for i in range(n)]
+        nbytes = sum(g.numel() * g.element_size() for g in node.runtime.grads() if g is not None)
+        return allreduce_time_s(nbytes, range(n), latency, bandwidth)
+
+    async def _pad_averaging(self, group, took_s: float) -> None:
+        """Under link emulation, wait until the averaging phase took its emulated all-reduce time."""
+        target = self.emulated_allreduce_s(group)
+        if target <= 0:
+            return
+        if took_s >= target:
+            self.averaging_overrun_s += took_s - target
+            return
+        self.averaging_padded_s += target - took_s
+        await asyncio.sleep(target - took_s)
 
     # ------------------------------------------------------------------ norm exchange
     async def norm_records(self, it: int) -> Optional[Dict[str, NormRecord]]:
@@ -153,7 +267,9 @@ class IterationCommit:
         return {p: r for p, r in records.items() if p in members}
 
     async def _exchange_norms(self, it: int, record: NormRecord) -> Dict[str, NormRecord]:
-        """Publish our record for iteration ``it`` and collect every member's.
+        """Send our record for iteration ``it`` to every member, store it in the DHT, and collect
+        every member's: direct reports first; the DHT only after ``norm_direct_grace_s`` and only
+        while some member's report is missing (a lost report, a member whose data plane we lack).
 
         Records carry the sender's epoch, and only records of *our* epoch are returned: a member
         that switched epochs at another boundary (it missed an announcement) never mixes its
@@ -162,12 +278,19 @@ class IterationCommit:
         node = self.node
         mine = node.epoch.epoch
         record = replace(record, epochs=tuple(node.epochs.to_announce(it)))
-        await write_norm_record(node.dht, self.cfg.run_id, it, node.peer_id, record, ttl_s=self.cfg.norm_record_ttl_s)
-        deadline = time.monotonic() + self.cfg.norm_exchange_timeout_s
-        found: Dict[str, NormRecord] = {}
+        if self._report_arrived is None:
+            self._report_arrived = asyncio.Event()
+        self._send_reports(it, record)
+        self._write_record(it, record)
+        now = time.monotonic()
+        deadline = now + self.cfg.norm_exchange_timeout_s
+        next_read = now + self.cfg.norm_direct_grace_s
+        from_dht: Dict[str, NormRecord] = {}
         poll = self.cfg.norm_poll_s
         while True:
-            found = await self.norm_records(it) or found
+            self._report_arrived.clear()
+            direct = self.direct_records(it)
+            found = {**from_dht, **direct, node.peer_id: record}
             done = all(p in found or not node.health.is_alive(p) for p in node.members)
             if not done and time.monotonic() > deadline:
                 missing = [p for p in node.members if p not in found and node.health.is_alive(p)]
@@ -177,6 +300,8 @@ class IterationCommit:
                 self.log.warning("going on without the norms of %s for iteration %d", [p[-8:] for p in missing], it)
                 done = True
             if done:
+                self.norms_from_dht += sum(1 for p in found if p not in direct and p != node.peer_id)
+                self._forget_reports(it)
                 node.epochs.learn(r.epochs for r in found.values())
                 others = {p: r.epoch for p, r in found.items() if r.epoch != mine}
                 if others:
@@ -187,27 +312,37 @@ class IterationCommit:
                     if ahead > mine and not node.epochs.knows(ahead):
                         await node.epochs.catch_up(ahead)
                 return {p: r for p, r in found.items() if r.epoch == mine}
-            await asyncio.sleep(poll)
-            poll = min(2 * poll, max(self.cfg.norm_poll_s, self.cfg.norm_poll_max_s))
+            now = time.monotonic()
+            if now >= next_read:  # fallback: some report is late or lost
+                from_dht = await self.norm_records(it) or from_dht
+                next_read = time.monotonic() + poll
+                poll = min(2 * poll, max(self.cfg.norm_poll_s, self.cfg.norm_poll_max_s))
+                continue
+            # wake on a report, or to re-check liveness and the fallback
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._report_arrived.wait(),
+                                       max(0.0, min(next_read - now, self.cfg.liveness_poll_s)))
 
     async def maybe_done_from_norms(self, it: int, st: IterationState, last_poll: float) -> float:
         """A data node publishes its gradient norm only after its microbatches are done, so its norm
-        record stands in for an ``IterationDone`` we never got (sent while our data plane was not
-        up yet, e.g. a joiner still downloading its state, or lost with a broken stream). Without
-        this, such a node would wait forever while the swarm waits for its norm."""
+        record (its direct report, else its DHT record) stands in for an ``IterationDone`` we never got
+        (sent while our data plane was not up yet, e.g. a joiner still downloading its state, or lost
+        with a broken stream). Without this, such a node would wait forever while the swarm waits for its norm."""
         node = self.node
         now = time.monotonic()
         if st.all_done.is_set() or now - last_poll < self.cfg.done_poll_s:
             return last_poll
         with contextlib.suppress(Exception):
-            records = await self.norm_records(it)
-            if records is not None:
-                for peer, r in records.items():
-                    if peer in node.data_node_peers and peer not in st.done:
-                        self.log.info("iteration %d of data node %s is done (its norm record; no IterationDone "
-                                      "reached us)", it, peer[-8:])
-                        st.done[peer] = DoneFromNorm(r.dropped)
-                node.check_done(st)
+            direct = self.direct_records(it)
+            waiting = [p for p in node.data_node_peers if p not in st.done]
+            records = direct if all(p in direct for p in waiting) else {
+                **(await self.norm_records(it) or {}), **direct}
+            for peer, r in records.items():
+                if peer in node.data_node_peers and peer not in st.done:
+                    self.log.info("iteration %d of data node %s is done (its norm record; no IterationDone "
+                                  "reached us)", it, peer[-8:])
+                    st.done[peer] = DoneFromNorm(r.dropped)
+            node.check_done(st)
         return time.monotonic()
 
     # ------------------------------------------------------------------ resync

@@ -71,6 +71,10 @@ class TrainerConfig:
     #: asks other peers; a fixed 20 ms poll on 9 daemons sharing 2 cores was a load of its own
     norm_poll_s: float = 0.02
     norm_poll_max_s: float = 0.25
+    #: members send their numbers directly (``NormReport`` over the data plane); the DHT records
+    #: are read only for members whose report has not come this long after ours was sent (a lost
+    #: report, a member without our data plane), then polled as above
+    norm_direct_grace_s: float = 1.0
     #: at most ``node.net.records.NORM_RECORD_TTL_S``: readers ignore records set to live longer
     norm_record_ttl_s: float = 300.0
     #: per-hop budgets from the cost model (node.train.deadlines); the data node fails a microbatch past them

@@ -60,13 +60,16 @@ class MicrobatchPipeline:
 
     def on_message(self, msg: object, sender: str) -> None:
         """Data-plane callback: every message a peer sent this node."""
-        from protocol import ActivationMessage, GradientMessage, HopFailure, IterationDone
+        from protocol import ActivationMessage, GradientMessage, HopFailure, IterationDone, NormReport
 
         node = self.node
         if node.killed:
             return
         if isinstance(msg, IterationDone):
             node.on_iteration_done(msg)
+            return
+        if isinstance(msg, NormReport):  # the per-iteration barrier (node.train.commit)
+            node.commit.on_norm_report(msg, sender)
             return
         if isinstance(msg, HopFailure):
             if msg.mb.run_id == self.cfg.run_id and msg.mb.data_node == node.peer_id:

@@ -34,6 +34,7 @@ from protocol.messages import (
     LinkReport,
     MembershipEvent,
     MicrobatchId,
+    NormReport,
     RpcRequest,
     RpcResponse,
     ScheduleEpoch,
@@ -90,6 +91,8 @@ def _corpus(rng: random.Random) -> tuple[list[bytes], list[bytes]]:
     messages += [
         HopFailure(mb, 1, "p1", "timeout"),
         IterationDone("run-1", 2, 3, "data-0", {"p1": 4, "p2": 0}, 1),
+        NormReport("run-1", 2, 3, "p1", 1, 0.25, 12.5, 3.5, 4, 512, 0, ("p1", "p2"), (b"\x01" * 8,)),
+        NormReport("run-1", 2, 3, "p2", 0, math.inf, math.nan, math.nan, 0, 0, 1),
         StageAdvert("run-1", "p1", "g1", ("/ip4/1.2.3.4/tcp/5",), (), (1, 2), "ONLINE", 0.25, 4, 3, PROTOCOL_VERSION,
                     31337, "eu", 12.5),
         StageAdvert("run-1", "p2", "g2", (), ("/dns/x/tcp/1",), (), "JOINING", 0.0, 0, 0, PROTOCOL_VERSION, None,
