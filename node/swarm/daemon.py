@@ -58,6 +58,7 @@ from node.net.rpc import RpcServer
 from node.ops.join_command import join_lines_for_daemon
 from node.ops.metrics import NodeMetrics
 from node.swarm import startup
+from node.net.records import sign_records
 from node.swarm.adverts import AdvertStore, make_record_validators
 from node.swarm.config import DaemonConfig
 from node.swarm.coordinator import DEFAULT_BANDWIDTH_Bps, Coordinator, RunConfig
@@ -374,6 +375,7 @@ class Daemon:
         self.dht = await startup.create_dht(self.p2p, cfg, validators, self.log)
         owner = make_record_validators(self.identity.private_key)[0].local_public_key
         self.adverts = AdvertStore(self.dht, cfg.run_id, owner, self.access)
+        sign_records(self.dht, owner, self.access)  # training records: owner-signed, sealed, members only
         self.view = SwarmView(run_id=cfg.run_id, self_id=self.peer_id)
         self.prober = LinkProber(cfg, self.p2p, self.peer_id, self.view, self.membership.publish_links, self.log)
         self.view.update_from_dht(await self.adverts.fetch_all(self.run.num_stages))
