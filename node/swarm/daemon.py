@@ -67,7 +67,7 @@ from node.swarm.gossip_access import GossipAccessControl
 from node.swarm.handshake import choose_stages, founding_run_config, handshake
 from node.swarm.link_prober import PING_PROTOCOL, PROBE_TIMEOUT_S, LinkProber, answer_ping
 from node.swarm.membership import Membership
-from node.swarm.rpc_api import DaemonRpcApi
+from node.swarm.rpc_api import DaemonRpcApi, members_only
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import HOLDING_STATES, NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
@@ -170,8 +170,9 @@ class Daemon:
         return True
 
     def register_rpc(self, name: str, method: Callable[[dict], Awaitable[Any]]) -> None:
-        """Expose ``method(params)`` over libp2p and local HTTP RPC."""
-        self.rpc.register(name, method)
+        """Expose ``method(params)`` over libp2p and local HTTP RPC (members only over libp2p in a
+        private swarm, see :mod:`node.swarm.rpc_api`)."""
+        self.rpc.register(name, members_only(self, name, method))
 
     async def add_p2p_handler(self, name: str, handler) -> None:
         """Register a hivemind binary stream handler ``handler(stream_info, reader, writer)``."""
