@@ -10,8 +10,9 @@ stuck; a dead one also leaves the candidate list when its advert expires).
 Candidates that are members of the current epoch rank before those that are not (each group by
 peer id): a node that joins a run in progress never outranks a member data node just because its
 peer id sorts first. And a node only issues an epoch while its ``blocker`` hook (set by the local
-trainer) says nothing against it: a joiner whose data plane is not up yet does not coordinate,
-since the start iteration it would compute knows nothing of the run's progress.
+trainer) says nothing against it: a joiner whose data plane is not up yet does not coordinate
+while a member data node is ONLINE, since the start iteration it would compute knows nothing of
+the run's progress (with no member data node left it goes ahead: someone has to include it).
 
 Every node validates an epoch before adopting it: right run, signed by the key behind a known
 ONLINE data node's advert, every member known, and ``validate_schedule`` passes. Among valid
@@ -234,7 +235,10 @@ class Coordinator:
             self.status = "waiting for coordinator" if candidates else "waiting: no ONLINE data node"
             return
         blocked = self._blocked()
-        if blocked:
+        members = set(self.current.members) if self.current is not None else set()
+        if blocked and any(c != self.self_id and c in members for c in candidates):
+            # a member data node can do it; with none left, waiting for our data plane would deadlock
+            # (it comes up only once an epoch includes us), so we go ahead
             self.status = f"not coordinating: {blocked}"
             return
         rank = candidates.index(self.self_id)
@@ -313,9 +317,9 @@ class Coordinator:
         joining = self.current is not None and bool(set(members) - set(self.current.members))
         lead_s = self.join_lead_s if joining else 0.0
         start = self._progress(lead_s) if self._progress is not None else None
-        if start is None:
-            return 0
         pending = self.current.start_iteration if self.current is not None else 0
+        if start is None:  # not training here: never before the boundary already announced
+            return int(pending)
         return max(int(start), int(pending))
 
     def _link_matrices(self, members: tuple[str, ...]) -> tuple[list[list[float]], list[list[float]]]:

@@ -109,6 +109,13 @@ async def test_a_joiner_does_not_coordinate_before_its_data_plane_is_up(identiti
     joiner.blocker = None
     await joiner.tick()
     assert joined == [] and "rank 1" in joiner.status  # not before the member data node had its turn
+    # with no member data node left, a blocked joiner goes ahead (someone has to include it), and
+    # its epoch never starts before the boundary already announced
+    alone = _coordinator(identities[0], _view(identities, 0, [0, 2], stages), joined)
+    alone.current = first  # adopted while its coordinator was alive
+    alone.blocker = service.coordination_blocker
+    await alone.tick()
+    assert len(joined) == 1 and joined[0].start_iteration >= first.start_iteration
     # the member data node adds the joiner
     member = _coordinator(identities[1], _view(identities, 1, [0, 1, 2], stages), published)
     assert member.consider(first) == "adopted"
