@@ -280,8 +280,9 @@ class DeathWatch:
             if node.index not in self.dead and node.proc is not None and not node.alive:
                 self.dead[node.index] = self.swarm.last_error(node)
                 code = node.proc.poll()
-                print(f"node {node.index} (stage {node.stage}) died (exit code {code}): {self.dead[node.index]}; "
-                      f"the others go on while every stage has a live replica", file=self.stream, flush=True)
+                print(f"node {node.index} (stage {node.stage}) died (exit code {code}); the others go on while "
+                      f"every stage has a live replica (its last log line: {self.dead[node.index]})",
+                      file=self.stream, flush=True)
         return self.orphaned_stages()
 
     def orphaned_stages(self) -> List[int]:
