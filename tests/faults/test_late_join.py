@@ -5,18 +5,24 @@ A fourth joins with ``--auto`` once the run is under way. The coordinator used t
 boundary 30 s of training ahead (tens of iterations of this tiny model), past the run's end,
 so the joiner was told "the run ended ... nothing to train" while iterations were left. Now the
 lead is capped at half of what is left: the joiner must train at least one iteration, and the data
-node must still commit every iteration exactly once, in order. No timing assertion; the start-up
-cost of the joiner only moves where it joins.
+node must still commit every iteration exactly once, in order. No timing assertion: the joiner is
+started when about ``JOIN_LEFT_S`` seconds of training are left (measured from the data node's
+recent iterations), less than the old 30 s lead once its start-up is counted, so the old rule
+would always have sent it away; its start-up only moves where it joins.
 """
 
 import pytest
 
-from node.testing.process_swarm import ProcessSwarm
+import time
+
+from node.testing.process_swarm import ProcessSwarm, training_state
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-ITERATIONS = 120
+ITERATIONS = 600
+#: Seconds of training left (at the measured pace) when the joiner is started.
+JOIN_LEFT_S = 40.0
 
 
 def test_a_late_joiner_joins_while_iterations_are_left(tmp_path):
@@ -26,6 +32,14 @@ def test_a_late_joiner_joins_while_iterations_are_left(tmp_path):
         swarm.start(timeout=240)
         wait_for(swarm, range(3), lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1) >= 2,
                  400, "training to start")
+        while True:  # wait until about JOIN_LEFT_S of training is left
+            st = training_state(swarm.nodes[0], limit=5)
+            if st is not None and st.get("history"):
+                per_it = sum(h["seconds"] for h in st["history"]) / len(st["history"])
+                if ITERATIONS - 1 - st["committed_iteration"] <= JOIN_LEFT_S / max(per_it, 1e-3):
+                    break
+            assert st is None or st.get("state") == "training", st
+            time.sleep(0.5)
         joiner = swarm.add_node(stage=None, timeout=240)
         j = joiner.index
         state = wait_for(swarm, [j], lambda s: s.get("state") in ("done", "stopped"), 900, "the joiner to end")[j]
