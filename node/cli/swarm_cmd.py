@@ -25,7 +25,7 @@ def _short(peer_id: str | None) -> str:
     return "…" + peer_id[-SHORT_ID_CHARS:]
 
 
-def fetch_status(rpc: str | None, peer: str | None, timeout: float) -> dict:
+def fetch_status(rpc: str | None, peer: str | None, timeout: float, swarm_key: bytes | None = None) -> dict:
     """``{"status", "swarm", "schedule"}`` of one node, over local HTTP or libp2p."""
     methods = ("status", "swarm", "schedule")
     if rpc:
@@ -40,10 +40,10 @@ def fetch_status(rpc: str | None, peer: str | None, timeout: float) -> dict:
         except Exception:  # noqa: BLE001
             data["training"] = None
         return data
-    return _fetch_over_p2p(peer, methods, timeout)
+    return _fetch_over_p2p(peer, methods, timeout, swarm_key)
 
 
-def _fetch_over_p2p(maddr: str, methods, timeout: float) -> dict:
+def _fetch_over_p2p(maddr: str, methods, timeout: float, swarm_key: bytes | None = None) -> dict:
     import asyncio
 
     import node.compat  # noqa: F401
@@ -51,6 +51,7 @@ def _fetch_over_p2p(maddr: str, methods, timeout: float) -> dict:
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
     from multiaddr import Multiaddr
 
+    from node.net.access import HELLO_PROOF_PARAM, SwarmAccess
     from node.net.rpc import RpcCallError, call_p2p
 
     try:
@@ -63,10 +64,13 @@ def _fetch_over_p2p(maddr: str, methods, timeout: float) -> dict:
             p2p = await P2P.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], dht_mode="client")
         except P2PDaemonError:
             raise UserError(f"cannot reach {maddr}") from None
+        # a private swarm answers members only: prove the swarm key for this client's peer id
+        proof = {} if swarm_key is None else {
+            HELLO_PROOF_PARAM: SwarmAccess(swarm_key).hello_proof(p2p.peer_id.to_base58())}
         try:
-            data = {m: await call_p2p(p2p, peer_id, m, timeout=timeout) for m in methods}
+            data = {m: await call_p2p(p2p, peer_id, m, dict(proof), timeout=timeout) for m in methods}
             try:  # only daemons running --train have it
-                data["training"] = await call_p2p(p2p, peer_id, "training", {"limit": 1}, timeout=timeout)
+                data["training"] = await call_p2p(p2p, peer_id, "training", dict(proof, limit=1), timeout=timeout)
             except Exception:  # noqa: BLE001
                 data["training"] = None
             return data
@@ -147,7 +151,14 @@ def _http_url(text: str) -> str:
 def _status(args: argparse.Namespace) -> int:
     if not args.peer and not args.rpc:
         raise UserError("pass --rpc http://127.0.0.1:PORT or --peer MADDR")
-    data = fetch_status(args.rpc, args.peer, args.timeout)
+    key = None
+    if args.swarm_key:
+        from pathlib import Path
+
+        from node.net.access import load_swarm_key
+
+        key = load_swarm_key(Path(args.swarm_key))
+    data = fetch_status(args.rpc, args.peer, args.timeout, key)
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
@@ -156,6 +167,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
+    from node.cli.up_runners import DeathWatch
     from node.testing.process_swarm import ProcessSwarm
 
     sizes = None
@@ -187,10 +199,18 @@ def _local(args: argparse.Namespace) -> int:
             print(f"  node {node.index}: stage {node.stage}  {node.peer_id}  rpc {node.rpc_url}  log {node.log_path}",
                   flush=True)
         print("swarm is up; Ctrl+C stops every node", flush=True)
+        # a dead node is reported, not fatal: the swarm goes on without it (a stage left without a
+        # live replica pauses training until one comes back); only when every node is gone we stop
+        deaths = DeathWatch(swarm, stream=sys.stderr)
+        said: set = set()
         while not stop.wait(0.5):
-            dead = [n.index for n in swarm.nodes if not n.alive]
-            if dead:
-                print(f"node(s) {dead} exited: {swarm.last_error(swarm.nodes[dead[0]])}", file=sys.stderr, flush=True)
+            for k in deaths.check():
+                if k not in said:
+                    said.add(k)
+                    print(f"stage {k} has no live replica: training pauses until a node holds it again",
+                          file=sys.stderr, flush=True)
+            if not deaths.alive():
+                print("every node exited", file=sys.stderr, flush=True)
                 return 1
         return 0
     finally:
@@ -207,6 +227,8 @@ def register(subparsers) -> None:
     where = status.add_mutually_exclusive_group()
     where.add_argument("--rpc", metavar="URL", type=_http_url, help="a local daemon's HTTP RPC, e.g. http://127.0.0.1:PORT")
     where.add_argument("--peer", metavar="MADDR", help="any node's multiaddr (ending in /p2p/<id>), over libp2p")
+    status.add_argument("--swarm-key", metavar="FILE",
+                        help="the private swarm's key: with --peer, a private swarm answers key holders only")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.add_argument("--timeout", type=float_range(0, 3600.0, lo_open=True), default=10.0, help="seconds to wait for the node")
     status.set_defaults(func=_status)

@@ -27,7 +27,7 @@ from node.ops.plotting import load_pyplot
 from node.testing.inproc_swarm import InProcessSwarm
 from node.testing.schedules import build_schedule, scheduler_schedule
 
-__all__ = ["UpOptions", "run_up", "run_up_swarm", "RUN_ID", "NODES_DIR"]
+__all__ = ["UpOptions", "run_up", "run_up_swarm", "RUN_ID", "NODES_DIR", "DeathWatch", "align_checkpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +282,83 @@ def _stage_modules_from_checkpoints(ckpt_root: Optional[pathlib.Path], mcfg, see
     return modules, iters
 
 
+class DeathWatch:
+    """Dead daemons of a local swarm, reported once each, as the swarm itself treats them: a death
+    is news, not the end, while every stage still has a live replica (the coordinator issues an
+    epoch without the dead node and training goes on)."""
+
+    def __init__(self, swarm, stream=sys.stderr):
+        self.swarm, self.stream = swarm, stream
+        self.dead: Dict[int, str] = {}
+
+    def check(self) -> List[int]:
+        """Report nodes that died since the last call; returns the stages left without a live replica."""
+        for node in self.swarm.nodes:
+            if node.index not in self.dead and node.proc is not None and not node.alive:
+                self.dead[node.index] = self.swarm.last_error(node)
+                code = node.proc.poll()
+                print(f"node {node.index} (stage {node.stage}) died (exit code {code}); the others go on while "
+                      f"every stage has a live replica (its last log line: {self.dead[node.index]})",
+                      file=self.stream, flush=True)
+        return self.orphaned_stages()
+
+    def orphaned_stages(self) -> List[int]:
+        stages = sorted({n.stage for n in self.swarm.nodes if n.stage >= 0})
+        return [k for k in stages if not any(n.alive for n in self.swarm.nodes if n.stage == k)]
+
+    def alive(self) -> list:
+        return [n for n in self.swarm.nodes if n.index not in self.dead and n.alive]
+
+
+def align_checkpoints(ckpt_root: pathlib.Path, stage_names: Dict[int, List[str]], run_id: str = None) -> Optional[int]:
+    """Before ``--resume``: bring every replica's checkpoint to the latest iteration its stage has.
+
+    A replica killed mid-run keeps an older checkpoint than the replicas that trained on (9 vs 13):
+    it catches up by taking the checkpoint of a replica of its stage at the stage's latest
+    iteration (replicas hold the same weights after averaging, as a joiner's state download
+    would give it). Returns the iteration everyone resumes after (None: no checkpoints at all);
+    UserError when the stages' latest iterations differ (a stage whose every replica died early:
+    only the latest checkpoint is kept, so the others cannot go back to it)."""
+    import shutil
+
+    from node.train.checkpoint import CheckpointStore
+
+    run_id = run_id or RUN_ID
+    latest: Dict[int, tuple] = {}
+    stores: Dict[int, list] = {}
+    for k, names in stage_names.items():
+        for name in names:
+            store = CheckpointStore(ckpt_root, run_id, k, name)
+            try:
+                ckpt = store.load()
+            except Exception as e:  # noqa: BLE001 - a torn or foreign file: that replica has none
+                logger.warning("ignoring unreadable checkpoint %s: %s", store.path, e)
+                ckpt = None
+            it = ckpt.iteration if ckpt is not None else -1
+            stores.setdefault(k, []).append((store, it))
+            if it >= 0 and (k not in latest or it > latest[k][1]):
+                latest[k] = (store, it)
+    if not latest:
+        return None
+    missing = [k for k in stage_names if k not in latest]
+    its = {k: it for k, (_, it) in latest.items()}
+    if missing or len(set(its.values())) > 1:
+        raise UserError("cannot resume: the stages' latest checkpoints are at different iterations ("
+                        + ", ".join(f"stage {k}: {its.get(k, 'none')}" for k in sorted(stage_names))
+                        + "); every replica of a stage stopped early. Start a fresh run (without --resume)")
+    for k, entries in stores.items():
+        source, it = latest[k]
+        for store, mine in entries:
+            if mine < it:
+                store.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = store.path.with_suffix(".catchup")
+                shutil.copyfile(source.path, tmp)
+                tmp.replace(store.path)
+                logger.info("replica %s of stage %d catches up from %s: iteration %s -> %d", store.path.stem, k,
+                            source.path.stem, mine if mine >= 0 else "none", it)
+    return next(iter(its.values()))
+
+
 def run_up_swarm(opts: UpOptions) -> dict:
     """``skippipe up`` on real daemons: one ``skippipe node run --train`` process per node.
 
@@ -309,6 +386,9 @@ def run_up_swarm(opts: UpOptions) -> dict:
     ckpt_root = out / "checkpoints"
     # a fresh run starts from the initial weights even where an earlier run left checkpoints in --out
     # (the daemons overwrite them); only --resume starts from them
+    if opts.resume:  # replicas killed mid-run catch up from a replica of their stage first
+        names = {k: [f"node{sum(stage_sizes[:k]) + r}" for r in range(size)] for k, size in enumerate(stage_sizes)}
+        align_checkpoints(ckpt_root, names)
     before, ck_iters = _stage_modules_from_checkpoints(ckpt_root if opts.resume else None, mcfg, opts.seed, first_of)
     if opts.resume and min(ck_iters) + 1 >= opts.iterations:
         raise UserError(f"checkpoints are already at iteration {min(ck_iters) + 1}; ask for more --iterations")
@@ -328,17 +408,24 @@ def run_up_swarm(opts: UpOptions) -> dict:
     try:
         swarm.start(timeout=opts.start_timeout_s)
         t_ready = time.perf_counter()
-        data_nodes = [n for n in swarm.nodes if n.stage == 0]
-        lead = data_nodes[0]
+        deaths = DeathWatch(swarm, stream=sys.stderr)
+        lead = [n for n in swarm.nodes if n.stage == 0][0]
         last_progress = time.monotonic()
         last_full_check = 0.0
         states: Dict[int, dict] = {}
         while True:
-            for node in swarm.nodes:
-                if not node.alive:
-                    raise UserError(f"node {node.index} (stage {node.stage}) exited: {swarm.last_error(node)}")
+            orphaned = deaths.check()
+            if orphaned:
+                raise UserError(f"stage(s) {orphaned} have no live replica left (dead nodes: "
+                                f"{sorted(deaths.dead)}): the run cannot finish; continue it with --resume")
+            alive = deaths.alive()
+            data_nodes = [n for n in alive if n.stage == 0]
+            for idx in deaths.dead:
+                states.pop(idx, None)
+            if lead.index in deaths.dead:  # progress comes from another data node from now on
+                lead = data_nodes[0]
             check_all = time.monotonic() - last_full_check > 5.0
-            for node in (swarm.nodes if check_all else data_nodes):
+            for node in (alive if check_all else data_nodes):
                 if node is lead:
                     st = training_state(node, since=history[-1]["iteration"] if history else -1)
                 else:
@@ -360,7 +447,7 @@ def run_up_swarm(opts: UpOptions) -> dict:
                     t_first = t_first or time.perf_counter()
                     progress(types.SimpleNamespace(**h))
             lead_state["history"] = []
-            if all(states.get(n.index, {}).get("state") == "done" for n in swarm.nodes):
+            if all(states.get(n.index, {}).get("state") == "done" for n in alive):
                 break
             if all(states.get(n.index, {}).get("state") == "done" for n in data_nodes):
                 last_full_check = 0.0  # the others finish the same iteration: ask them at once
@@ -403,6 +490,7 @@ def run_up_swarm(opts: UpOptions) -> dict:
         "wall_s": t_end - t_start, "loss_png": str(out / "loss.png") if plotted else None,
         "checkpoints": str(ckpt_root), "leftover_processes": len(leftover),
         "epoch": states.get(lead.index, {}).get("epoch") if t_ready else None,
+        "dead_nodes": sorted(deaths.dead) if t_ready else [],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -11,20 +11,36 @@ gets all members' records with one ``get``:
 * :class:`FinishedRecord` under ``<run>:trainfinished``: a member trained the run to its end (a late
   joiner learns there is nothing left to train).
 
-A record is a dict on the wire with a schema version ``v``. Readers validate what other peers wrote
-(any member can write anything under any subkey it owns): sizes are capped, numbers must be numbers
-(finite where a non-finite value has no meaning), and an entry whose expiry lies further in the
-future than its record type's TTL allows is ignored (a peer cannot pin a record in everyone's DHT).
+A record is a dict with a schema version ``v``. Readers validate what other peers wrote: sizes are
+capped, numbers must be numbers (finite where a non-finite value has no meaning), and an entry whose
+expiry lies further in the future than its record type's TTL allows is ignored (a peer cannot pin a
+record in everyone's DHT).
+
+**Ownership.** A daemon binds its DHT with :func:`sign_records` (its ``[owner:<ssh-rsa pubkey>]``
+subkey and its :class:`~node.net.access.SwarmAccess`). A bound DHT writes each record under the
+owner subkey, so hivemind's ``RSASignatureValidator`` signs it and every DHT node checks the
+signature; the value is msgpack bytes sealed with the swarm key when one is set. A bound reader
+keys records by the peer id *derived from the owner key* and ignores plain subkeys, other owners'
+forgeries (they cannot sign), values without a valid swarm-key proof, oversized values, and owners
+the caller's ``members`` filter leaves out; it counts every rejection (:func:`rejected_counts`)
+and logs the first of each reason per owner. An unbound DHT (in-process harnesses whose DHTs run
+no validators) keeps the plain peer-id subkeys: it has no identity to sign with.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Container, Dict, Optional, Tuple
+
+import msgpack
 
 from node.compat import import_hivemind
+from node.net.access import SwarmAccess
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -44,7 +60,12 @@ __all__ = [
     "read_start_records",
     "write_finished_record",
     "read_finished_records",
+    "sign_records",
+    "rejected_counts",
+    "MAX_RECORD_BYTES",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Version of the record layout; a reader ignores records of another version (a member running other
 #: code must not feed numbers it means differently into this member's step).
@@ -67,6 +88,8 @@ MAX_EPOCHS = 8  # announced epochs carried by one norm record
 MAX_EPOCH_BYTES = 256 * 1024  # one encoded, signed schedule epoch
 MAX_CONFIG_JSON = 64 * 1024  # a training summary, as JSON
 MAX_COUNT = 2**40  # microbatches, tokens, iterations, epochs
+#: One encoded (and sealed) record; a norm record with all its announced epochs fits with room.
+MAX_RECORD_BYTES = MAX_EPOCHS * MAX_EPOCH_BYTES + 2 * MAX_CONFIG_JSON + 64 * 1024
 
 
 class RecordError(ValueError):
@@ -222,6 +245,60 @@ class FinishedRecord:
 
 
 # ---------------------------------------------------------------------- DHT access
+_BINDING_ATTR = "_skippipe_record_signer"
+
+
+@dataclass
+class _Signer:
+    owner_subkey: bytes
+    access: SwarmAccess
+    rejected: "collections.Counter[str]" = field(default_factory=collections.Counter)
+    said: set = field(default_factory=set)
+
+    def reject(self, reason: str, key: str, who: str) -> None:
+        self.rejected[reason] += 1
+        if len(self.said) < 1024 and (reason, who) not in self.said:
+            self.said.add((reason, who))
+            logger.warning("ignoring a DHT record under %s from %s: %s", key, who, reason)
+        else:
+            logger.debug("ignoring a DHT record under %s from %s: %s", key, who, reason)
+
+
+def sign_records(dht, owner_subkey: bytes, access: Optional[SwarmAccess] = None) -> None:
+    """Bind ``dht`` (a daemon's, whose validators include ``RSASignatureValidator`` for the key behind
+    ``owner_subkey``) so that its records are owner-signed and sealed, and read back only so."""
+    if not isinstance(owner_subkey, bytes) or not owner_subkey.startswith(b"[owner:"):
+        raise ValueError("owner_subkey must be an [owner:<public key>] subkey")
+    setattr(dht, _BINDING_ATTR, _Signer(owner_subkey, access or SwarmAccess()))
+
+
+def _signer(dht) -> Optional[_Signer]:
+    return getattr(dht, _BINDING_ATTR, None)
+
+
+def rejected_counts(dht) -> Dict[str, int]:
+    """Records a bound reader ignored so far, by reason (empty for an unbound DHT)."""
+    signer = _signer(dht)
+    return dict(signer.rejected) if signer is not None else {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _owner_peer_id(subkey: bytes) -> Optional[str]:
+    """The peer id of the public key inside an ``[owner:...]`` subkey, or None."""
+    from node.net.identity import peer_id_from_rsa_public_key
+
+    import_hivemind()
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    found = RSASignatureValidator._PUBLIC_KEY_RE.findall(subkey)
+    if len(found) != 1:
+        return None
+    try:
+        return peer_id_from_rsa_public_key(found[0])
+    except Exception:  # noqa: BLE001 - a malformed key from the network
+        return None
+
+
 def _dht_time() -> float:
     import_hivemind()
     from hivemind.utils import get_dht_time
@@ -230,25 +307,73 @@ def _dht_time() -> float:
 
 
 async def _write(dht, key: str, subkey: str, record, ttl_s: float) -> None:
-    await dht.store(key, record.to_dict(), expiration_time=_dht_time() + ttl_s, subkey=str(subkey),
-                    return_future=True)
+    signer = _signer(dht)
+    if signer is None:
+        value, subkey = record.to_dict(), str(subkey)
+    else:
+        value = signer.access.seal(msgpack.packb(record.to_dict(), use_bin_type=True))
+        subkey = signer.owner_subkey
+    await dht.store(key, value, expiration_time=_dht_time() + ttl_s, subkey=subkey, return_future=True)
 
 
-async def _read(dht, key: str, cls, ttl_s: float) -> Optional[Dict[str, Any]]:
-    """Subkey (peer id) -> record of every valid entry under ``key``; None when the read found nothing
-    (under load a miss is not "nobody wrote")."""
+def _open_signed(signer: _Signer, key: str, subkey: Any, value: Any) -> Tuple[Optional[str], Any]:
+    """(owner peer id, decoded dict) of a bound entry, or (None, None) after counting why not."""
+    who = _owner_peer_id(subkey) if isinstance(subkey, bytes) else None
+    if who is None:
+        signer.reject("not under an owner subkey", key, repr(subkey)[:24])
+        return None, None
+    if not isinstance(value, bytes):
+        signer.reject("not a sealed record", key, who[-8:])
+        return None, None
+    if len(value) > MAX_RECORD_BYTES:
+        signer.reject(f"larger than {MAX_RECORD_BYTES} bytes", key, who[-8:])
+        return None, None
+    message = signer.access.unseal(value)
+    if message is None:
+        signer.reject("no valid swarm-key proof", key, who[-8:])
+        return None, None
+    if not signer.access.listed(who):
+        signer.reject("owner not in the allowlist", key, who[-8:])
+        return None, None
+    try:
+        return who, msgpack.unpackb(message, raw=False)
+    except Exception:  # noqa: BLE001 - garbage from the network
+        signer.reject("not msgpack", key, who[-8:])
+        return None, None
+
+
+async def _read(dht, key: str, cls, ttl_s: float,
+                members: Optional[Container[str]] = None) -> Optional[Dict[str, Any]]:
+    """Peer id -> record of every valid entry under ``key`` (of an owner in ``members`` when given);
+    None when the read found nothing (under load a miss is not "nobody wrote")."""
     res = await dht.get(key, latest=True, return_future=True)
     if res is None or not isinstance(res.value, dict):
         return None
+    signer = _signer(dht)
     latest_expiry = _dht_time() + ttl_s + EXPIRY_SLACK_S
     out: Dict[str, Any] = {}
     for subkey, entry in res.value.items():
+        value = getattr(entry, "value", None)
+        if signer is None:
+            who = str(subkey)
+        else:
+            who, value = _open_signed(signer, key, subkey, value)
+            if who is None:
+                continue
         expiry = getattr(entry, "expiration_time", None)
         if isinstance(expiry, (int, float)) and expiry > latest_expiry:
+            if signer is not None:
+                signer.reject("expiry beyond the record's TTL", key, who[-8:])
+            continue
+        if members is not None and who not in members:
+            if signer is not None:
+                signer.reject("owner is not a member of the run", key, who[-8:])
             continue
         try:
-            out[_peer(str(subkey))] = cls.from_dict(getattr(entry, "value", None))
-        except RecordError:
+            out[_peer(who)] = cls.from_dict(value)
+        except RecordError as e:
+            if signer is not None:
+                signer.reject(f"malformed: {e}", key, who[-8:])
             continue
     return out
 
@@ -258,21 +383,24 @@ async def write_norm_record(dht, run_id: str, iteration: int, peer_id: str, reco
     await _write(dht, norm_key(run_id, iteration), peer_id, record, min(ttl_s, NORM_RECORD_TTL_S))
 
 
-async def read_norm_records(dht, run_id: str, iteration: int) -> Optional[Dict[str, NormRecord]]:
-    return await _read(dht, norm_key(run_id, iteration), NormRecord, NORM_RECORD_TTL_S)
+async def read_norm_records(dht, run_id: str, iteration: int,
+                            members: Optional[Container[str]] = None) -> Optional[Dict[str, NormRecord]]:
+    return await _read(dht, norm_key(run_id, iteration), NormRecord, NORM_RECORD_TTL_S, members)
 
 
 async def write_start_record(dht, run_id: str, peer_id: str, record: StartRecord) -> None:
     await _write(dht, start_key(run_id), peer_id, record, START_RECORD_TTL_S)
 
 
-async def read_start_records(dht, run_id: str) -> Optional[Dict[str, StartRecord]]:
-    return await _read(dht, start_key(run_id), StartRecord, START_RECORD_TTL_S)
+async def read_start_records(dht, run_id: str,
+                             members: Optional[Container[str]] = None) -> Optional[Dict[str, StartRecord]]:
+    return await _read(dht, start_key(run_id), StartRecord, START_RECORD_TTL_S, members)
 
 
 async def write_finished_record(dht, run_id: str, peer_id: str, record: FinishedRecord) -> None:
     await _write(dht, finished_key(run_id), peer_id, record, FINISHED_RECORD_TTL_S)
 
 
-async def read_finished_records(dht, run_id: str) -> Optional[Dict[str, FinishedRecord]]:
-    return await _read(dht, finished_key(run_id), FinishedRecord, FINISHED_RECORD_TTL_S)
+async def read_finished_records(dht, run_id: str,
+                                members: Optional[Container[str]] = None) -> Optional[Dict[str, FinishedRecord]]:
+    return await _read(dht, finished_key(run_id), FinishedRecord, FINISHED_RECORD_TTL_S, members)

@@ -7,6 +7,13 @@ with :func:`scheduler.paths.schedule_paths`, signs it with its RSA identity and 
 been out of date for ``debounce + r x coordinator_timeout`` (the earlier candidates are dead or
 stuck; a dead one also leaves the candidate list when its advert expires).
 
+Candidates that are members of the current epoch rank before those that are not (each group by
+peer id): a node that joins a run in progress never outranks a member data node just because its
+peer id sorts first. And a node only issues an epoch while its ``blocker`` hook (set by the local
+trainer) says nothing against it: a joiner whose data plane is not up yet does not coordinate
+while a member data node is ONLINE, since the start iteration it would compute knows nothing of
+the run's progress (with no member data node left it goes ahead: someone has to include it).
+
 Every node validates an epoch before adopting it: right run, signed by the key behind a known
 ONLINE data node's advert, every member known, and ``validate_schedule`` passes. Among valid
 epochs the winner is the highest epoch number, ties broken by the lowest coordinator id, so all
@@ -32,7 +39,7 @@ from scheduler.paths import schedule_paths_report
 from scheduler.schedule import Schedule
 from scheduler.validate import validate_schedule
 
-__all__ = ["RunConfig", "Coordinator", "assign_stages", "epoch_membership"]
+__all__ = ["RunConfig", "Coordinator", "assign_stages", "epoch_membership", "rank_candidates"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +118,13 @@ def assign_stages(peers: list[PeerEntry], num_stages: int) -> dict[str, int]:
     return out
 
 
+def rank_candidates(data_nodes: list[str], current: ScheduleEpoch | None) -> list[str]:
+    """Coordinator candidates in rank order: those in ``current``'s members first, then the others
+    (joiners), each group sorted by peer id."""
+    members = set(current.members) if current is not None else set()
+    return sorted(set(data_nodes), key=lambda p: (p not in members, p))
+
+
 def epoch_membership(epoch: ScheduleEpoch) -> frozenset:
     """(peer id, stage) pairs an epoch was computed for."""
     pairs = set()
@@ -172,10 +186,23 @@ class Coordinator:
         self._stale_target: frozenset = frozenset()
         self._computing = False
         self.epochs_issued = 0
+        #: Why this node must not coordinate right now (e.g. "joining: data plane not up yet"), or None;
+        #: set by the local trainer service (None: nothing against it).
+        self.blocker: Callable[[], str | None] | None = None
 
     # ------------------------------------------------------------------ who coordinates
     def candidates(self) -> list[str]:
-        return [e.peer_id for e in self.view.online() if 0 in e.advert.stages]
+        """ONLINE data nodes in rank order: members of the current epoch first (see the module docstring)."""
+        return rank_candidates([e.peer_id for e in self.view.online() if 0 in e.advert.stages], self.current)
+
+    def _blocked(self) -> str | None:
+        if self.blocker is None:
+            return None
+        try:
+            return self.blocker()
+        except Exception:  # noqa: BLE001 - a broken hook must not stop coordination
+            logger.debug("coordination blocker failed", exc_info=True)
+            return None
 
     def target_membership(self) -> tuple[list[PeerEntry], dict[str, int]]:
         online = self.view.online()
@@ -206,6 +233,13 @@ class Coordinator:
         candidates = self.candidates()
         if self.self_id not in candidates or self._computing:
             self.status = "waiting for coordinator" if candidates else "waiting: no ONLINE data node"
+            return
+        blocked = self._blocked()
+        members = set(self.current.members) if self.current is not None else set()
+        if blocked and any(c != self.self_id and c in members for c in candidates):
+            # a member data node can do it; with none left, waiting for our data plane would deadlock
+            # (it comes up only once an epoch includes us), so we go ahead
+            self.status = f"not coordinating: {blocked}"
             return
         rank = candidates.index(self.self_id)
         stable_for = now - self.view.changed_at
@@ -286,9 +320,9 @@ class Coordinator:
         joining = self.current is not None and bool(set(members) - set(self.current.members))
         lead_s = self.join_lead_s if joining else 0.0
         start = self._progress(lead_s) if self._progress is not None else None
-        if start is None:
-            return 0
         pending = self.current.start_iteration if self.current is not None else 0
+        if start is None:  # not training here: never before the boundary already announced
+            return int(pending)
         return max(int(start), int(pending))
 
     def _link_matrices(self, members: tuple[str, ...]) -> tuple[list[list[float]], list[list[float]]]:

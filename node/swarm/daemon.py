@@ -58,6 +58,7 @@ from node.net.rpc import RpcServer
 from node.ops.join_command import join_lines_for_daemon
 from node.ops.metrics import NodeMetrics
 from node.swarm import startup
+from node.net.records import sign_records
 from node.swarm.adverts import AdvertStore, make_record_validators
 from node.swarm.config import DaemonConfig
 from node.swarm.coordinator import DEFAULT_BANDWIDTH_Bps, Coordinator, RunConfig
@@ -67,7 +68,7 @@ from node.swarm.handshake import choose_stages, founding_run_config, handshake
 from node.net.ping import PING_PROTOCOL, PingHandler
 from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
-from node.swarm.rpc_api import DaemonRpcApi
+from node.swarm.rpc_api import DaemonRpcApi, members_only
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import HOLDING_STATES, NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
@@ -172,8 +173,9 @@ class Daemon:
         return True
 
     def register_rpc(self, name: str, method: Callable[[dict], Awaitable[Any]]) -> None:
-        """Expose ``method(params)`` over libp2p and local HTTP RPC."""
-        self.rpc.register(name, method)
+        """Expose ``method(params)`` over libp2p and local HTTP RPC (members only over libp2p in a
+        private swarm, see :mod:`node.swarm.rpc_api`)."""
+        self.rpc.register(name, members_only(self, name, method))
 
     async def add_p2p_handler(self, name: str, handler) -> None:
         """Register a hivemind binary stream handler ``handler(stream_info, reader, writer)``."""
@@ -376,8 +378,6 @@ class Daemon:
         self.compute_s_per_sample_per_layer = await loop.run_in_executor(None, measure_compute_speed, cfg.device)
         self.p2p = await startup.create_p2p(cfg)
         self.maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
-        # with a swarm key, libp2p callers that are not members get only the join handshake
-        self.rpc.allow_p2p = self.is_peer_allowed if self.access.enabled else None
         await self.rpc.attach_p2p(self.p2p)
 
     async def _join(self) -> None:
@@ -393,6 +393,7 @@ class Daemon:
         self.dht = await startup.create_dht(self.p2p, cfg, validators, self.log)
         owner = make_record_validators(self.identity.private_key)[0].local_public_key
         self.adverts = AdvertStore(self.dht, cfg.run_id, owner, self.access)
+        sign_records(self.dht, owner, self.access)  # training records: owner-signed, sealed, members only
         self.view = SwarmView(run_id=cfg.run_id, self_id=self.peer_id)
         self.prober = LinkProber(cfg, self.p2p, self.peer_id, self.view, self.membership.publish_links, self.log)
         self.view.update_from_dht(await self.adverts.fetch_all(self.run.num_stages))

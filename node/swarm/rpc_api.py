@@ -2,12 +2,18 @@
 
 Only the handlers live here; what they report is the daemon's state, read through its public
 members. Methods are served over libp2p and local HTTP alike (:class:`node.net.rpc.RpcServer`).
+
+In a private swarm (``--swarm-key``) every method but ``hello`` and ``health`` answers a libp2p caller only if it
+is a member (an advert with a valid swarm-key proof in this node's view, and listed if there is an
+allowlist) or proves the swarm key for its own peer id in the call (``swarm_proof``, as ``hello``
+does; ``skippipe swarm status --peer ... --swarm-key FILE``). Everyone else gets "access denied".
+Local HTTP (bound to ``--rpc-host``, 127.0.0.1 by default) is the operator's and stays open.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from node.net.access import HELLO_PROOF_PARAM
 from node.net.rpc import CALLER_PARAM, HttpReply
@@ -17,12 +23,50 @@ from node.ops.metrics import METRICS_CONTENT_TYPE
 if TYPE_CHECKING:
     from node.swarm.daemon import Daemon
 
-__all__ = ["DaemonRpcApi"]
+__all__ = ["DaemonRpcApi", "members_only"]
 
 logger = logging.getLogger(__name__)
 
 #: Iterations the ``iterations`` RPC returns when the caller does not say.
 DEFAULT_RECENT_ITERATIONS = 200
+
+
+#: Methods anyone may call: the access handshake itself and the liveness probe ({ok, state, peer id}).
+OPEN_METHODS = frozenset({"hello", "health"})
+
+
+def rpc_refusal(daemon: "Daemon", name: str, params: dict) -> str | None:
+    """Why a call of ``name`` must be refused (see the module docstring), or None."""
+    access = daemon.access
+    if name in OPEN_METHODS or access is None or access.swarm_key is None:
+        return None
+    caller = params.get(CALLER_PARAM) if isinstance(params, dict) else None
+    if caller is None:
+        return None  # local HTTP: the operator
+    if daemon.is_peer_allowed(str(caller)):
+        return None
+    if access.listed(str(caller)) and access.check_hello(str(caller), params.get(HELLO_PROOF_PARAM)) is None:
+        return None
+    return "access denied: this swarm's state is readable by members only (pass --swarm-key FILE)"
+
+
+def members_only(daemon: "Daemon", name: str, method: Callable[[dict], Awaitable[Any]]):
+    """``method`` behind :func:`rpc_refusal` (a refusal is raised as PermissionError, logged once per caller)."""
+    if name in OPEN_METHODS:
+        return method
+    refused: set = set()
+
+    async def gated(params: dict):
+        refusal = rpc_refusal(daemon, name, params)
+        if refusal is not None:
+            caller = params.get(CALLER_PARAM)
+            if caller not in refused and len(refused) < 1024:
+                refused.add(caller)
+                daemon.log.warning("rpc %s from %s refused: %s", name, caller, refusal)
+            raise PermissionError(refusal)
+        return await method(params)
+
+    return gated
 
 
 class DaemonRpcApi:

@@ -67,6 +67,8 @@ class RunAgreement:
         self.min_members, self.start_debounce_s = min_members, start_debounce_s
         self.agreement_timeout_s, self.poll_s = agreement_timeout_s, poll_s
         self.log = NodeLog(logger, node_name)
+        #: why choose_epoch is still waiting (shown in the training RPC), None when it is not
+        self.waiting: Optional[str] = None
 
     @property
     def debounce_s(self) -> float:
@@ -95,10 +97,15 @@ class RunAgreement:
                 # a run in progress announced its boundary already; waiting would only make us late
                 if joining or time.monotonic() - since >= self.debounce_s:
                     return epoch
-            elif epoch is not None and said != number:
-                said = number
-                self.log.info("training waits: epoch %d has %d members (need %d)%s", number, len(epoch.members),
-                              self.min_members, "" if me in epoch.members else ", not including this node")
+            elif epoch is not None:
+                self.waiting = (f"epoch {number} has {len(epoch.members)} members (need {self.min_members})"
+                                + ("" if me in epoch.members else ", not including this node: waiting for an "
+                                   "epoch that adds it"))
+                if said != number:
+                    said = number
+                    self.log.info("training waits: %s", self.waiting)
+            else:
+                self.waiting = "no schedule epoch yet"
             await asyncio.sleep(self.poll_s)
 
     async def confirm(self, epoch, start: int) -> None:
@@ -109,7 +116,7 @@ class RunAgreement:
         deadline = time.monotonic() + self.agreement_timeout_s
         not_after = float(epoch.issued_at) - 5.0  # older confirmations belong to an earlier session
         while True:
-            records = await read_start_records(dht, self.run_id) or {}
+            records = await read_start_records(dht, self.run_id, members=set(epoch.members)) or {}
             found = {p: r for p, r in records.items() if p in epoch.members and r.time >= not_after}
             for peer, r in found.items():
                 if r.epoch != epoch.epoch:
@@ -132,6 +139,12 @@ class RunAgreement:
                                       f"within {self.agreement_timeout_s:.0f}s (are they running --train?)")
             await asyncio.sleep(self.poll_s)
 
+    def _run_members(self) -> set:
+        """Whose records speak for the run: the members of the host's current epoch (a record of anyone
+        else, e.g. a peer of the DHT that never joined, is ignored by the reader)."""
+        epoch = self.host.current_epoch
+        return set(epoch.members) if epoch is not None else set()
+
     async def say_finished(self, last_iteration: int) -> None:
         """Record in the DHT that this member finished the run (read by :meth:`run_finished`)."""
         try:
@@ -143,7 +156,7 @@ class RunAgreement:
     async def run_finished(self) -> bool:
         """Whether another member already finished this run (same configuration, so the same iterations)."""
         try:
-            records = await read_finished_records(self.host.dht, self.run_id) or {}
+            records = await read_finished_records(self.host.dht, self.run_id, members=self._run_members()) or {}
         except Exception:  # noqa: BLE001 - unknown: go on as before
             return False
         me = str(self.host.peer_id)
@@ -152,7 +165,7 @@ class RunAgreement:
     async def check_joining_config(self) -> None:
         """A joiner skips the start barrier, but must still train with the run's hyper-parameters."""
         me = str(self.host.peer_id)
-        records = await read_start_records(self.host.dht, self.run_id) or {}
+        records = await read_start_records(self.host.dht, self.run_id, members=self._run_members()) or {}
         for peer, record in [(p, r) for p, r in records.items() if p != me][:1]:
             diff = summary_differences(self.summary, record.config)
             if diff:

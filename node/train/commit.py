@@ -260,7 +260,7 @@ class IterationCommit:
     async def norm_records(self, it: int) -> Optional[Dict[str, NormRecord]]:
         """Iteration ``it``'s norm records of the members (peer id -> record), read from the DHT;
         None when the read found nothing (a miss under load is not "nobody published")."""
-        records = await read_norm_records(self.node.dht, self.cfg.run_id, it)
+        records = await read_norm_records(self.node.dht, self.cfg.run_id, it, members=set(self.node.members))
         if records is None:
             return None
         members = set(self.node.members)

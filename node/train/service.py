@@ -26,11 +26,12 @@ from typing import Callable, List, Optional
 import torch
 
 from node.errors import UserError
+from node.net.records import rejected_counts
 from node.train.agreement import RunAgreement, training_summary
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
 
-__all__ = ["TrainerService", "ServiceState"]
+__all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,18 @@ def _kill_own_process_group() -> None:
     if os.getpgid(0) == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def capped_join_boundary(earliest: int, wanted: int, iterations: int) -> int:
+    """The start iteration of an epoch that adds a joiner: ``wanted`` (the join lead in iterations,
+    measured from the recent iteration times, after ``earliest``), but never so far that the run
+    ends first: at most half of the iterations left after ``earliest``, so a late joiner still
+    joins while any are left. ``earliest`` itself (or beyond the run) when none are."""
+    earliest, wanted = int(earliest), max(int(wanted), int(earliest))
+    left = int(iterations) - earliest
+    if left <= 0:
+        return earliest
+    return min(wanted, earliest + left // 2)
 
 
 class TrainerService:
@@ -91,6 +104,8 @@ class TrainerService:
         self._task: Optional[asyncio.Task] = None
         self._history_before: List[IterationStats] = []  # iterations committed before a re-join
         self._stopping = asyncio.Event()
+        #: why training waits (a join that cannot proceed yet and is retried), shown in the training RPC
+        self.waiting_reason: Optional[str] = None
 
     async def start(self, daemon: TrainerHost) -> None:
         self.daemon = daemon
@@ -107,6 +122,9 @@ class TrainerService:
                                       node_name=self.node_name)
         daemon.register_rpc("training", self._rpc_training)
         daemon.training_progress = self.switch_iteration
+        coordinator = getattr(daemon, "coordinator", None)
+        if coordinator is not None and hasattr(coordinator, "blocker"):
+            coordinator.blocker = self.coordination_blocker
         daemon.on_schedule_epoch.append(self._offer_epoch)
         self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
 
@@ -117,10 +135,37 @@ class TrainerService:
         says the run is over instead of looking like a fresh start (0) that would gather members
         at the start barrier until it timed out."""
         if self.state in (ServiceState.TRAINING, ServiceState.PAUSED) and self.trainer is not None:
-            return self.trainer.switch_iteration(lead_s)
+            earliest = self.trainer.switch_iteration(0.0)
+            wanted = self.trainer.switch_iteration(lead_s) if lead_s > 0 else earliest
+            return capped_join_boundary(earliest, wanted, self.iterations)
         if self.state is ServiceState.DONE:
             return self.iterations
         return None
+
+    def coordination_blocker(self) -> Optional[str]:
+        """Why this daemon must not coordinate now (the coordinator's ``blocker`` hook), or None.
+
+        A node joining a run in progress computes an epoch's start iteration from its own trainer,
+        which knows nothing of the run before its data plane is up (it would issue an epoch that
+        starts at 0, or drop members it cannot reach yet); founders before the start barrier and
+        nodes that train or finished may coordinate."""
+        daemon = self.daemon
+        if daemon is None:
+            return None
+        if self.state in (ServiceState.TRAINING, ServiceState.PAUSED):
+            t = self.trainer
+            if t is not None and getattr(t, "dataplane", None) is None:
+                return "data plane not up yet"
+            return None
+        if self.state in (ServiceState.DONE, ServiceState.STOPPED, ServiceState.ERROR):
+            return None
+        epoch = daemon.current_epoch
+        if epoch is None:
+            return None  # nobody trains yet: founders issue the first epoch
+        me = str(daemon.peer_id)
+        if int(epoch.start_iteration) == 0 and me in epoch.members:
+            return None  # at the start barrier with everyone else
+        return "joining the run in progress: data plane not up yet"
 
     def _offer_epoch(self, epoch) -> None:
         if self.trainer is not None:
@@ -153,6 +198,7 @@ class TrainerService:
                     # the replica we need is busy or gone: the coordinator will issue another epoch
                     # (it starts later, so there is a newer state to fetch); try that one
                     self.log.warning("%s; waiting for a later epoch to try again", e)
+                    self.waiting_reason = f"join failed, retrying with a later epoch: {e}"
                     left_at = max(int(epoch.start_iteration), 1)
                 first = False
                 if left_at is None:
@@ -191,6 +237,7 @@ class TrainerService:
         from node.train.trainer import TrainerNode
 
         self.epoch, self.state = epoch, ServiceState.AGREEING
+        self.agreement.waiting = None
         self.log.info("training pins schedule epoch %d (%d members)", epoch.epoch, len(epoch.members))
         for peer in epoch.members:
             if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
@@ -230,7 +277,7 @@ class TrainerService:
             self.start_iteration = self.trainer.current_iteration
         if join_at is None:
             await self.agreement.confirm(epoch, self.trainer.current_iteration)
-        self.state = ServiceState.TRAINING
+        self.state, self.waiting_reason = ServiceState.TRAINING, None
         self.log.info("training stage %d from iteration %d to %d", self.trainer.stage, self.trainer.current_iteration,
                       self.iterations)
         await self.trainer.run(self.iterations)
@@ -301,6 +348,11 @@ class TrainerService:
             "committed_iteration": t.committed_iteration if t is not None else None,
             "iterations": self.iterations,
             "overcommits": t.overcommits if t is not None else 0,
+            # per-member DHT records this node ignored (forged, unsealed, of a non-member...), by reason
+            "rejected_records": (rejected_counts(self.daemon.dht)
+                                 if self.daemon is not None and getattr(self.daemon, "dht", None) is not None else {}),
+            # why a join (or the start) cannot proceed yet, while it waits and retries
+            "waiting_reason": self.waiting_reason or (self.agreement.waiting if self.agreement is not None else None),
             "history": history,
         }
 
