@@ -89,3 +89,20 @@ def test_shared_node_modules_import_no_subpackage():
         path = ROOT / "node" / f"{name}.py"
         parts = {_node_part(m) for m in _imported_modules(path) if m.startswith("node.")}
         assert parts <= NODE_SHARED, f"node/{name}.py imports node.{sorted(parts - NODE_SHARED)}"
+
+
+#: a newcomer reads a module in one sitting and a class as one job; past these a split is due
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 400
+
+
+def test_node_modules_and_classes_stay_small():
+    too_big = []
+    for path in sorted((ROOT / "node").rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_big.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_big.append(f"{path.relative_to(ROOT)}: class {node.name} {node.end_lineno - node.lineno + 1} lines")
+    assert not too_big, too_big
