@@ -62,5 +62,5 @@ def test_tiny_live_run_writes_the_json(_cache_dir, tmp_path):
     assert r["target_val_loss"] == r["runs"]["full"]["val_loss"][-1]
     assert r["time_to_target_s"]["full"] is not None
     assert set(r["time_to_target_s"]) == {"full", "skippipe"}
-    assert "skippipe_vs_full" in r and "final_loss_gap_pct" in r
+    assert "skippipe_vs_full" in r and "final_loss_gap_pct" in r and "skippipe_vs_full_microbatch_phase" in r
     assert {"cpus", "load_avg_before", "load_avg_after"} <= set(r["machine"])
