@@ -37,7 +37,7 @@ def _run(tmp_path, name, *extra):
     return json.loads((out / "convergence.json").read_text())
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_treatments_change_the_skip_run_only_and_baseline_reuses_the_full_run(_cache_dir, tmp_path):
     plain = _run(tmp_path, "plain")
     base = str(tmp_path / "plain" / "convergence.json")
@@ -49,11 +49,8 @@ def test_treatments_change_the_skip_run_only_and_baseline_reuses_the_full_run(_c
     assert t["train_branch_scale"]["mode"] == "inverse" and t["stage_lr"]["mode"] == "inverse-visit"
     assert t["anneal"]["full_iterations"] >= 1  # the share of full iterations reaches 1 at the end
     assert treated["runs"]["skip"]["val_loss"] != plain["runs"]["skip"]["val_loss"]
-    # a treatment recomputed in full gives the same full run as the plain one (it never touches it)
-    again = _run(tmp_path, "again", "--train-branch-scale", "visit")
-    assert again["runs"]["full"]["val_loss"] == plain["runs"]["full"]["val_loss"]
-    assert again["runs"]["skip"]["treatment"]["train_branch_scale"]["mode"] == "visit"
-    assert "skip_depth_scaled" not in again  # the post-hoc rule is for plain skip training only
+    assert "skip_depth_scaled" not in treated  # the post-hoc rule is for plain skip training only
+    assert "skip_depth_scaled" in plain
 
 
 def test_baseline_with_other_settings_is_refused(_cache_dir, tmp_path):
