@@ -26,6 +26,11 @@ setting measured for the full pipeline. A cosine decay widened the gap at this b
 5e-3 closed the gap only by making the full run worse. The figures and the settings tried are in
 ``docs/evaluation.md``.
 
+Treatments of the skip run (``--train-branch-scale``, ``--stage-lr``, ``--anneal-start``; the
+full run is never changed by them, so ``--baseline`` can reuse a stored one) and the full-pipeline
+control ``--full-branch-scale`` with ``--full-only``: see :class:`_Treatment` and
+``docs/evaluation.md`` ("Treatments of skip training").
+
 Run: ``python bench/convergence.py`` (tiny model, 200 iterations; about 5 CPU-minutes, 10-40
 minutes of wall time on 2 shared cores depending on their load);
 longer: ``python bench/convergence.py --model small --iterations 2000``.
