@@ -31,6 +31,10 @@ variant once per wire format, the fp32 wire first, each with the activations and
 hop quantized by that format's codec (:class:`node.eval.path_training.PathTrainer` ``wire=``, the
 codec code the swarm's data plane uses), and report each format's final validation loss against the
 fp32 wire's at equal tokens: ``bench/results/convergence_wire.json``.
+Treatments of the skip run (``--train-branch-scale``, ``--stage-lr``, ``--anneal-start``; the
+full run is never changed by them, so ``--baseline`` can reuse a stored one) and the full-pipeline
+control ``--full-branch-scale`` with ``--full-only``: see :class:`_Treatment` and
+``docs/evaluation.md`` ("Treatments of skip training").
 
 Run: ``python bench/convergence.py`` (tiny model, 200 iterations; about 5 CPU-minutes, 10-40
 minutes of wall time on 2 shared cores depending on their load);
@@ -111,6 +115,18 @@ class BenchConfig:
     device: str = "cpu"
     #: wire format every hop's activation and gradient goes through (fp32 = exact)
     wire: str = "fp32"
+    # ---- treatments of the skip run (none changes the full run; see _Treatment)
+    #: residual-branch scaling of the skip run: none, visit (p in training and at inference) or
+    #: inverse (1/p in training, 1 at inference), p = the stage's visit share
+    train_branch_scale: str = "none"
+    #: per-stage learning rate of the skip run: none, or inverse-visit (lr / p, p = visit share)
+    stage_lr: str = "none"
+    #: from this fraction of the run on, the skip run takes the full pipeline on a growing share of
+    #: iterations (0 at the start fraction, all at the end); None = never
+    anneal_start: Optional[float] = None
+    #: control for --train-branch-scale inverse: the FULL run's residual branches of stages 1..
+    #: scaled by this in training and at inference (1.0 = plain); the skip run is untouched
+    full_branch_scale: float = 1.0
 
 
 @dataclass
@@ -127,6 +143,8 @@ class RunResult:
     #: the fraction of microbatches that visited it (the stochastic-depth inference rule); None if 1.0
     depth_scaled_val_loss: Optional[float] = None
     branch_scale: float = 1.0
+    #: the skip-run treatments in force (empty for none), see :class:`_Treatment`
+    treatment: dict = field(default_factory=dict)
 
 
 def skip_schedule(n_stages: int, seed: int) -> Schedule:
@@ -176,20 +194,25 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
     visits = [0] * mcfg.n_stages
     microbatches = 0
     val = validation_batches(splits, data, cfg.val_batches)
+    treat = _Treatment(cfg, trainer, own_routes)
+    evaluate = treat.evaluate
     out = RunResult(name)
     out.iterations.append(0)
     out.tokens.append(0)
-    out.val_loss.append(evaluate_loss(trainer.modules(), val))
+    out.val_loss.append(evaluate(val))
     out.train_loss.append(float("nan"))
     tokens, since = 0, []
     t0 = time.perf_counter()
     for it in range(1, cfg.iterations + 1):
         lr = lr_at(cfg, it)
-        for opt in trainer.optimizers:
+        for opt, mult in zip(trainer.optimizers, treat.lr_multipliers):
             for group in opt.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * mult
         if full_routes is not None:
             trainer.routes = full_routes if it % cfg.full_every == 0 else own_routes
+        if treat.anneal_routes is not None:
+            trainer.routes = treat.anneal_routes(it)
+        treat.before_iteration(trainer.routes is own_routes)
         res = trainer.train_iteration()
         visits = [a + b for a, b in zip(visits, res.visits)]
         microbatches += res.visits[0]
@@ -198,7 +221,7 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
         if it % cfg.eval_every == 0 or it == cfg.iterations:
             out.iterations.append(it)
             out.tokens.append(tokens)
-            out.val_loss.append(evaluate_loss(trainer.modules(), val))
+            out.val_loss.append(evaluate(val))
             out.train_loss.append(sum(since) / len(since))
             since = []
             log(f"  {name:4s} it {it:5d}  tokens {tokens:9d}  train {out.train_loss[-1]:.4f}  "
@@ -206,7 +229,8 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
     out.seconds = time.perf_counter() - t0
     out.layer_visits_per_iteration = sum(visits) / cfg.iterations
     share = min(visits[1:]) / max(microbatches, 1) if len(visits) > 1 else 1.0
-    if share < 1.0:
+    out.treatment = treat.describe()
+    if share < 1.0 and not treat.scales_branches:
         out.branch_scale = share
         mods = trainer.modules()
         for m in mods[1:]:
@@ -214,10 +238,91 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
         out.depth_scaled_val_loss = evaluate_loss(mods, val)
         for m in mods[1:]:
             m.branch_scale = 1.0
+    treat.restore()
     trainer.save_checkpoint(checkpoints, name, extra_meta={"schedule_kind": name, "bench": "convergence",
-                                                             "path_length": _as_path_length(schedule)})
+                                                             "path_length": _as_path_length(schedule),
+                                                             **({"treatment": out.treatment} if out.treatment else {})})
     out.checkpoint = str(checkpoints / name)
     return out
+
+
+class _Treatment:
+    """The skip-run treatments of one run (--train-branch-scale, --stage-lr, --anneal-start).
+
+    Each reads the run's own routes only: a run whose routes visit every stage (the full pipeline)
+    has visit shares of 1, so all three leave it exactly as it is."""
+
+    def __init__(self, cfg: BenchConfig, trainer: PathTrainer, own_routes):
+        from node.eval.path_training import branch_scales_for, stage_visit_shares
+
+        self.cfg, self.trainer, self.own_routes = cfg, trainer, own_routes
+        n = len(trainer.stages)
+        self.shares = stage_visit_shares(own_routes, n)
+        self.train_scales, self.eval_scales = branch_scales_for(cfg.train_branch_scale, self.shares)
+        self.scales_branches = cfg.train_branch_scale != "none" and any(p < 1.0 for p in self.shares)
+        if cfg.full_branch_scale != 1.0 and all(p == 1.0 for p in self.shares):  # the full run's control
+            self.train_scales = self.eval_scales = [1.0] + [cfg.full_branch_scale] * (n - 1)
+            self.scales_branches = True
+        if cfg.stage_lr == "none":
+            self.lr_multipliers = [1.0] * n
+        elif cfg.stage_lr == "inverse-visit":
+            self.lr_multipliers = [1.0 / p if p > 0 else 1.0 for p in self.shares]
+        else:
+            raise SystemExit(f"unknown --stage-lr {cfg.stage_lr!r}")
+        self.anneal_routes = None
+        if cfg.anneal_start is not None and any(p < 1.0 for p in self.shares):
+            self._full = {d: [tuple(range(1, n))] * len(rs) for d, rs in own_routes.items()}
+            self._acc = 0.0
+            self.anneal_routes = self._anneal
+        self.full_iterations = 0
+
+    def _anneal(self, it: int):
+        """Full routes on a share of iterations that grows linearly from 0 (at ``anneal_start`` x
+        the run) to 1 (at its end), spread evenly by an accumulator (deterministic)."""
+        start = self.cfg.anneal_start * self.cfg.iterations
+        span = max(1.0, self.cfg.iterations - start)
+        self._acc += min(1.0, max(0.0, (it - start) / span))
+        if self._acc >= 1.0 - 1e-9:
+            self._acc -= 1.0
+            self.full_iterations += 1
+            return self._full
+        return self.own_routes
+
+    def before_iteration(self, own: bool) -> None:
+        from node.eval.path_training import set_branch_scales
+
+        if self.scales_branches:
+            # a full-pipeline iteration (--full-every, --anneal-start) runs the model as inference does
+            set_branch_scales(self.trainer.stages, self.train_scales if own else self.eval_scales)
+
+    def evaluate(self, val) -> float:
+        from node.eval.path_training import set_branch_scales
+
+        if not self.scales_branches:
+            return evaluate_loss(self.trainer.modules(), val)
+        before = [m.branch_scale for m in self.trainer.stages]
+        set_branch_scales(self.trainer.stages, self.eval_scales)
+        try:
+            return evaluate_loss(self.trainer.modules(), val)
+        finally:
+            set_branch_scales(self.trainer.stages, before)
+
+    def restore(self) -> None:
+        from node.eval.path_training import set_branch_scales
+
+        set_branch_scales(self.trainer.stages, [1.0] * len(self.trainer.stages))
+
+    def describe(self) -> dict:
+        out = {}
+        if self.scales_branches:
+            out["train_branch_scale"] = {"mode": self.cfg.train_branch_scale if any(p < 1.0 for p in self.shares)
+                                         else f"constant {self.cfg.full_branch_scale:g} (--full-branch-scale)", "visit_shares": self.shares,
+                                         "train_scales": self.train_scales, "inference_scales": self.eval_scales}
+        if self.cfg.stage_lr != "none" and any(m != 1.0 for m in self.lr_multipliers):
+            out["stage_lr"] = {"mode": self.cfg.stage_lr, "lr_multipliers": self.lr_multipliers}
+        if self.anneal_routes is not None:
+            out["anneal"] = {"start": self.cfg.anneal_start, "full_iterations": self.full_iterations}
+        return out
 
 
 def _train_variant(name: str, schedule, cfg: BenchConfig, data: DataConfig, checkpoints: pathlib.Path,
@@ -371,6 +476,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--full-every", type=int, default=d.full_every,
                    help="the skip run follows the full pipeline every N-th iteration, as the authors' later "
                         "training script does with 10 (default 0 = never: pure k = 1/3)")
+    p.add_argument("--train-branch-scale", default=d.train_branch_scale, choices=["none", "visit", "inverse"],
+                   help="skip run: scale each stage's residual branches by its visit share p in training and "
+                        "at full depth (visit), or by 1/p in training and 1 at full depth (inverse: inverted "
+                        "stochastic depth); default none")
+    p.add_argument("--stage-lr", default=d.stage_lr, choices=["none", "inverse-visit"],
+                   help="skip run: each stage's lr divided by its visit share (default none)")
+    p.add_argument("--anneal-start", type=float, default=d.anneal_start,
+                   help="skip run: from this fraction of the run on, a linearly growing share of iterations "
+                        "takes the full pipeline (all of them at the end); default: never")
+    p.add_argument("--full-branch-scale", type=float, default=d.full_branch_scale,
+                   help="control: the full run's residual branches scaled by this in training and at inference "
+                        "(1/0.6 is what --train-branch-scale inverse gives the skip run in training); default 1")
+    p.add_argument("--full-only", action="store_true",
+                   help="train the full run only (for --full-branch-scale); writes convergence.json with it alone")
+    p.add_argument("--baseline", type=pathlib.Path, default=None,
+                   help="train the skip run only and take the full run from this convergence.json (it must "
+                        "have the same model, data, lr and iteration settings); the treatments above never "
+                        "change the full run")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per run (default 1)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes: 2 trains both variants side by side, 1 one after the other; the figures "
@@ -425,6 +548,26 @@ def _add_equal_time(result: dict, wan_results: pathlib.Path) -> None:
         result["equal_time_source"] = str(wan_results)
 
 
+#: BenchConfig fields that must match for a stored full run to stand in for a new one
+_BASELINE_KEYS = ("model", "corpus", "iterations", "eval_every", "val_batches", "microbatch_size", "seq_len", "lr",
+                  "lr_schedule", "warmup_iterations", "min_lr_ratio", "seed", "full_branch_scale")
+
+
+def _baseline_full(path: pathlib.Path, cfg: BenchConfig) -> RunResult:
+    """The full run of an earlier convergence.json with the same training settings (--baseline)."""
+    try:
+        old = json.loads(path.read_text())
+        ocfg, full = old["config"], old["runs"]["full"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--baseline: cannot read a convergence result at {path} ({e.__class__.__name__}: {e})")
+    mine = asdict(cfg)
+    diff = [k for k in _BASELINE_KEYS if ocfg.get(k, BenchConfig().__dict__[k]) != mine[k]]
+    if diff:
+        raise SystemExit(f"--baseline {path} was trained with other settings: {', '.join(diff)}")
+    known = {f for f in RunResult.__dataclass_fields__}
+    return RunResult(**{k: v for k, v in full.items() if k in known})
+
+
 def _summary_only(args: argparse.Namespace) -> int:
     path = args.out / "convergence.json"
     try:
@@ -447,7 +590,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       val_batches=args.val_batches, microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                       lr=args.lr, lr_schedule=args.lr_schedule, warmup_iterations=args.warmup_iterations,
                       min_lr_ratio=args.min_lr_ratio, seed=args.seed, threads=args.threads,
-                      full_every=args.full_every, jobs=args.jobs, device=args.device)
+                      full_every=args.full_every, jobs=args.jobs, device=args.device,
+                      train_branch_scale=args.train_branch_scale, stage_lr=args.stage_lr,
+                      anneal_start=args.anneal_start, full_branch_scale=args.full_branch_scale)
+    if cfg.anneal_start is not None and not 0.0 <= cfg.anneal_start < 1.0:
+        raise SystemExit("--anneal-start must be in [0, 1)")
     if cfg.iterations < 1 or cfg.eval_every < 1:
         raise SystemExit("--iterations and --eval-every must be at least 1")
     if cfg.jobs < 1:
@@ -477,8 +624,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"convergence: {cfg.model} on {cfg.corpus}, {cfg.iterations} iterations x {DATA_NODES} data nodes x "
           f"{MICROBATCHES} microbatches x {cfg.microbatch_size} x {data.seq_len} tokens "
           f"= {cfg.iterations * tokens_per_it} tokens per run"
-          + (" (both variants side by side)" if cfg.jobs >= 2 else ""), flush=True)
-    runs = run_variants(cfg, full, skip, data, splits, args.checkpoints)
+          + (f" (full run from {args.baseline})" if args.baseline is not None
+             else " (both variants side by side)" if cfg.jobs >= 2 else ""), flush=True)
+    if args.full_only:
+        f = train_run("full", full, cfg, data, splits if splits is not None else load_splits(data), args.checkpoints)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "convergence.json").write_text(json.dumps(
+            {"config": asdict(cfg), "runs": {"full": asdict(f)}, "final_val_loss": {"full": f.val_loss[-1]}}, indent=1))
+        print(f"final validation loss: full {f.val_loss[-1]:.4f} (full run only); wrote {args.out / 'convergence.json'}")
+        return 0
+    if args.baseline is not None:
+        runs = [_baseline_full(args.baseline, cfg),
+                train_run("skip", skip, cfg, data, splits if splits is not None else load_splits(data),
+                          args.checkpoints, full_schedule=full)]
+    else:
+        runs = run_variants(cfg, full, skip, data, splits, args.checkpoints)
     f, s = runs
     gap_pct = (s.val_loss[-1] / f.val_loss[-1] - 1.0) * 100.0
     ppl_gap_pct = (math.exp(s.val_loss[-1] - f.val_loss[-1]) - 1.0) * 100.0

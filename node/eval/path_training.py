@@ -275,3 +275,49 @@ class PathTrainer:
         self.iteration = iterations.pop() + 1
         self._zero_grads()
         return True
+
+
+# ---------------------------------------------------------------------- convergence treatments
+# Helpers for bench/convergence.py's treatments of skip training (--train-branch-scale,
+# --stage-lr). Kept apart from PathTrainer: they only read its routes and set attributes that
+# already exist (StageModule.branch_scale, the optimisers' param-group lr).
+
+
+def stage_visit_shares(routes: Mapping[int, List[StageRoute]], n_stages: int) -> List[float]:
+    """Fraction of one iteration's microbatches that visit each stage (stage 0 is always 1.0)."""
+    counts = [0] * n_stages
+    total = 0
+    for rs in routes.values():
+        for route in rs:
+            total += 1
+            for s in route:
+                counts[s] += 1
+    if total == 0:
+        return [1.0] * n_stages
+    return [1.0] + [c / total for c in counts[1:]]
+
+
+def branch_scales_for(mode: str, shares: List[float]) -> Tuple[List[float], List[float]]:
+    """(training scales, inference scales) of each stage's residual branches for a treatment.
+
+    * ``none``: 1 and 1 (plain training, plain full-depth model);
+    * ``visit``: p and p, where p is the stage's visit share (the branch is scaled by its visit
+      probability while training and the same at full depth);
+    * ``inverse``: 1/p while training and 1 at inference (inverted stochastic depth: a stage's
+      expected contribution in training equals its contribution in the full model, and the
+      checkpoint runs as a plain model).
+    A stage nothing visits (p = 0) keeps 1."""
+    if mode == "none":
+        return [1.0] * len(shares), [1.0] * len(shares)
+    if mode == "visit":
+        s = [p if p > 0 else 1.0 for p in shares]
+        return list(s), list(s)
+    if mode == "inverse":
+        return [1.0 / p if p > 0 else 1.0 for p in shares], [1.0] * len(shares)
+    raise UserError(f"unknown branch-scale treatment {mode!r} (none, visit, inverse)")
+
+
+def set_branch_scales(modules: List[StageModule], scales: List[float]) -> None:
+    """Set each stage's residual-branch scale (``StageModule.branch_scale``)."""
+    for m, s in zip(modules, scales):
+        m.branch_scale = float(s)
