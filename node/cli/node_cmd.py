@@ -82,6 +82,8 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-burst", type=float_range(1, 1e9), default=None, metavar="N",
                    help="per-peer RPC burst allowance (default 2 s worth of --rpc-rate)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="leave the swarm and exit 0 once training has finished (default: stay, idle, and say so)")
     # Hidden knobs for tests and the local-swarm launcher.
     p.add_argument("--ready-file", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--protocol-version", type=int_range(0, 2**31 - 1), default=None, help=argparse.SUPPRESS)
@@ -233,7 +235,7 @@ def _run(args: argparse.Namespace) -> int:
     services = training_services_from_args(args)
     from node.swarm.daemon import run_daemon  # heavy imports only when actually running
 
-    return run_daemon(config, services)
+    return run_daemon(config, services, exit_when_done=getattr(args, "exit_when_done", False))
 
 
 def register(subparsers) -> None:

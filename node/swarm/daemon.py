@@ -490,8 +490,12 @@ class Daemon:
                 self.log.exception("on_schedule_epoch callback failed")
 
 
-def run_daemon(config: DaemonConfig, services: Sequence[DaemonService] = (), banner: bool = True) -> int:
-    """Run a daemon on uvloop until SIGINT/SIGTERM; the body of ``skippipe node run``."""
+def run_daemon(config: DaemonConfig, services: Sequence[DaemonService] = (), banner: bool = True,
+               exit_when_done: bool = False) -> int:
+    """Run a daemon on uvloop until SIGINT/SIGTERM; the body of ``skippipe node run``.
+
+    A node whose services (the trainer) have all finished stays in the swarm, idle, so its state can still
+    be queried and served; ``exit_when_done`` makes it leave and exit 0 instead (a volunteer's run is over)."""
     import faulthandler
 
     import uvloop
@@ -516,12 +520,33 @@ def run_daemon(config: DaemonConfig, services: Sequence[DaemonService] = (), ban
         start.result()  # re-raises UserError (start() has cleaned up already)
         if banner:
             _print_banner(daemon)
-        await stop_requested.wait()
+        finished = asyncio.create_task(_services_finished(daemon.services))
+        waiter = asyncio.create_task(stop_requested.wait())
+        await asyncio.wait({finished, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if finished.done() and not waiter.done():
+            if not exit_when_done:
+                print("training ended: this node stays in the swarm, idle (Ctrl+C to leave; "
+                      "--exit-when-done exits by itself)", flush=True)
+                await waiter
+            else:
+                print("training ended: leaving (--exit-when-done)", flush=True)
+        finished.cancel()
+        waiter.cancel()
         print("stopping...", flush=True)
         await daemon.stop()
         return 0
 
     return uvloop.run(main())
+
+
+async def _services_finished(services: Sequence[DaemonService]) -> None:
+    """Returns once every service that says when it is done (an ``asyncio.Event`` named ``done``) is done;
+    never, when no service does."""
+    events = [s.done for s in services if isinstance(getattr(s, "done", None), asyncio.Event)]
+    if not events:
+        await asyncio.Event().wait()
+    for event in events:
+        await event.wait()
 
 
 def _print_banner(daemon: Daemon) -> None:
