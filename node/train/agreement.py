@@ -69,6 +69,9 @@ class RunAgreement:
         self.log = NodeLog(logger, node_name)
         #: why choose_epoch is still waiting (shown in the training RPC), None when it is not
         self.waiting: Optional[str] = None
+        #: a member of the pinned epoch gone this long (out of the host's view, or OFFLINE) no longer holds
+        #: up the start: longer than an advert lapse of a live node under load, far shorter than the timeout
+        self.gone_grace_s = 15.0
 
     @property
     def debounce_s(self) -> float:
@@ -115,6 +118,7 @@ class RunAgreement:
                                                                    time.time()))
         deadline = time.monotonic() + self.agreement_timeout_s
         not_after = float(epoch.issued_at) - 5.0  # older confirmations belong to an earlier session
+        gone_since: dict = {}  # member -> when it was first seen gone (not alive in the host's view)
         while True:
             records = await read_start_records(dht, self.run_id, members=set(epoch.members)) or {}
             found = {p: r for p, r in records.items() if p in epoch.members and r.time >= not_after}
@@ -132,6 +136,17 @@ class RunAgreement:
                         f"checkpoints disagree on the iteration to start from: {peer[-8:]} starts at "
                         f"{r.start}, this node at {start} (use --resume on all nodes or none)")
             if len(found) == len(epoch.members):
+                return
+            now = time.monotonic()
+            for peer in epoch.members:  # a member that died or left (e.g. its checkpoint failed) cannot confirm
+                if peer in found or self.host.peer_alive(peer):
+                    gone_since.pop(peer, None)
+                else:
+                    gone_since.setdefault(peer, now)
+            excused = {p for p, t in gone_since.items() if now - t >= self.gone_grace_s}
+            if excused and len(found) + len(excused) >= len(epoch.members):
+                self.log.warning("starting without %s: gone before confirming epoch %d (training recovers "
+                                 "around them)", [p[-8:] for p in sorted(excused)], epoch.epoch)
                 return
             if time.monotonic() > deadline:
                 missing = [p[-8:] for p in epoch.members if p not in found]
