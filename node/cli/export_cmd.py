@@ -18,12 +18,17 @@ def _handler(args: argparse.Namespace) -> int:
     from node.errors import UserError
     from node.eval.export import export_checkpoints
 
+    if args.peer and args.sources:
+        raise UserError("pass either --from (checkpoint folders) or --peer (a live swarm), not both")
     if args.peer:
-        raise UserError("--peer (pulling stages from live replicas) is not implemented yet; copy each node's "
-                        "--checkpoint-dir here and pass them with --from")
-    if not args.sources:
-        raise UserError("--from DIR [DIR ...] is required: the checkpoint folders holding the run's stages")
-    summary = export_checkpoints(args.sources, args.out, tokenizer=args.tokenizer, corpus=args.corpus)
+        from node.cli.export_pull import pull_stages
+        from node.eval.export import export_loaded
+
+        summary = export_loaded(pull_stages(args.peer), args.out, tokenizer=args.tokenizer, corpus=args.corpus)
+    elif not args.sources:
+        raise UserError("--from DIR [DIR ...] or --peer MADDR is required: where the run's stages are")
+    else:
+        summary = export_checkpoints(args.sources, args.out, tokenizer=args.tokenizer, corpus=args.corpus)
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -42,7 +47,8 @@ def register(subparsers) -> None:
                     "model.safetensors, tokenizer.json, tokenizer_config.json.")
     p.add_argument("--from", dest="sources", nargs="+", metavar="CHECKPOINT_DIR", default=[],
                    help="checkpoint folders that together hold every stage")
-    p.add_argument("--peer", nargs="+", metavar="MADDR", default=[], help="pull stages from live replicas (not implemented yet)")
+    p.add_argument("--peer", nargs="+", metavar="MADDR", default=[], help="pull every stage from the live replicas of a running swarm (an open swarm; a private one "
+                        "serves members only)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the Hugging Face checkpoint to")
     p.add_argument("--tokenizer", default=None, metavar="bytes|bpe:VOCAB|PATH",
                    help="the run's tokenizer (default: the one the checkpoints record; its hash must match)")

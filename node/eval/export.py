@@ -30,7 +30,7 @@ from node.errors import UserError
 from node.eval.omission import LoadedModel, load_checkpoint_dirs
 from node.train.model import NORM_EPS, ROPE_THETA, ModelConfig, StageModule
 
-__all__ = ["hf_config", "hf_state_dict", "export_model", "export_checkpoints", "load_model_tokenizer"]
+__all__ = ["hf_config", "hf_state_dict", "export_model", "export_checkpoints", "export_loaded", "load_model_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,12 @@ def export_model(loaded: LoadedModel, out: "str | os.PathLike", tokenizer=None) 
 def export_checkpoints(paths: Sequence["str | os.PathLike"], out: "str | os.PathLike", tokenizer: Optional[str] = None,
                        corpus: Optional[str] = None) -> Dict[str, object]:
     """Gather the stages from ``paths`` and export them; returns a summary for the command to print."""
-    loaded = load_checkpoint_dirs(list(paths))
+    return export_loaded(load_checkpoint_dirs(list(paths)), out, tokenizer, corpus)
+
+
+def export_loaded(loaded: LoadedModel, out: "str | os.PathLike", tokenizer: Optional[str] = None,
+                  corpus: Optional[str] = None) -> Dict[str, object]:
+    """Export stages already gathered (from checkpoints or live replicas); returns the command's summary."""
     tok = load_model_tokenizer(loaded, tokenizer, corpus)
     files = export_model(loaded, out, tok)
     return {"out": str(pathlib.Path(out).expanduser()), "iteration": loaded.iteration, "run_id": loaded.meta.get("run_id"),

@@ -327,6 +327,10 @@ class TrainerService:
         return {
             "peer_id": str(self.daemon.peer_id) if self.daemon is not None else "",
             "node_name": self.node_name,
+            "run_id": self.config.run_id,
+            # what an exporter needs to rebuild the model from the stages' state (skippipe export --peer)
+            "model": self.config.model.to_dict(),
+            "data": asdict(self.config.data),
             "state": state.value,
             "error": str(self.error) if self.error is not None else None,
             "paused": t.paused_reason if t is not None else None,

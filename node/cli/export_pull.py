@@ -1,0 +1,85 @@
+"""``skippipe export --peer``: pull every stage's state from the live replicas of a running swarm.
+
+The exporter joins as a plain libp2p client (no stage, no DHT writes), asks the given peer over RPC what
+the run is (model shape, data and tokenizer settings, the replicas of each stage) and then downloads each
+stage's weights over the state-transfer protocol the replicas already serve to joiners. In a private swarm
+the replicas serve members only, so pull from a member's machine with ``--from`` instead.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+from typing import Dict, List, Sequence
+
+from node.errors import UserError
+
+__all__ = ["pull_stages"]
+
+#: seconds a replica may take to hand over its stage (the state of a 500M-parameter stage is ~1 GB)
+PULL_TIMEOUT_S = 300.0
+
+
+def pull_stages(maddrs: Sequence[str], timeout_s: float = PULL_TIMEOUT_S):
+    """A :class:`node.eval.omission.LoadedModel` built from the live replicas reachable through ``maddrs``."""
+    import asyncio
+
+    return asyncio.run(_pull(list(maddrs), timeout_s))
+
+
+async def _pull(maddrs: List[str], timeout_s: float):
+    import torch
+
+    import node.compat  # noqa: F401
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+    from multiaddr import Multiaddr
+
+    from node.dataplane.state_transfer import StateTransferError, fetch_state
+    from node.eval.omission import LoadedModel
+    from node.net.rpc import RpcCallError, call_p2p
+    from node.train.model import ModelConfig, build_stage
+
+    try:
+        peer = PeerID.from_base58(Multiaddr(maddrs[0]).value_for_protocol("p2p"))
+    except Exception:  # noqa: BLE001 - the library raises several kinds
+        raise UserError(f"--peer {maddrs[0]!r} must be a multiaddr ending with /p2p/<peer id>") from None
+    try:
+        p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/0.0.0.0/tcp/0"], dht_mode="client")
+    except P2PDaemonError:
+        raise UserError(f"cannot reach {maddrs[0]}") from None
+    try:
+        try:
+            training = await call_p2p(p2p, peer, "training", {"limit": 1}, timeout=30)
+            swarm = await call_p2p(p2p, peer, "swarm", {}, timeout=30)
+        except RpcCallError as e:
+            raise UserError(f"{maddrs[0]}: {e}") from None
+        if not isinstance(training, dict) or "model" not in training:
+            raise UserError(f"{maddrs[0]} does not train (no --train) or runs an older version: nothing to export")
+        config = ModelConfig.from_dict(training["model"])
+        replicas: Dict[int, List[str]] = {s: [] for s in range(config.n_stages)}
+        for entry in swarm.get("peers", []):
+            if str(entry.get("state")) in ("ONLINE", "DRAINING"):
+                for s in entry.get("stages", []):
+                    replicas.setdefault(int(s), []).append(entry["peer_id"])
+        missing = [s for s, ps in replicas.items() if not ps]
+        if missing:
+            raise UserError(f"stages {missing} have no live replica in the swarm: nothing to pull them from")
+        modules, iterations = [], []
+        for stage in range(config.n_stages):
+            try:
+                _, snap = await fetch_state(p2p, training["run_id"], replicas[stage], stage, 0, timeout_s=timeout_s)
+            except StateTransferError as e:
+                raise UserError(f"{e} (in a private swarm the replicas serve members only: export with --from)") \
+                    from None
+            state = torch.load(io.BytesIO(snap.payload), map_location="cpu", weights_only=True)
+            module = build_stage(config, stage, 0)
+            module.load_state_dict(state["model"])
+            modules.append(module)
+            iterations.append(snap.iteration)
+    finally:
+        await p2p.shutdown()
+    meta = {"run_id": training["run_id"], "model": training["model"], "data": training.get("data") or {},
+            "peer_id": "", "stage_iterations": iterations}
+    return LoadedModel(run_dir=pathlib.Path("."), iteration=min(iterations), config=config, modules=modules,
+                       meta=meta)
