@@ -1,8 +1,8 @@
 """A harness process for the orphan test: starts a local swarm through the process harness, then idles.
 
-``python -m tests.node.orphan_harness BASE_DIR N``: N daemons via :class:`node.testing.process_swarm.LocalSwarm`;
+``python -m tests.node.orphan_harness BASE_DIR N``: N daemons via :class:`node.testing.process_swarm.ProcessSwarm`;
 when they are all up it writes their pids to ``BASE_DIR/pids.json`` and sleeps until it is killed (the
-test SIGKILLs it, so nothing of LocalSwarm's own clean-up runs).
+test SIGKILLs it, so nothing of ProcessSwarm's own clean-up runs).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from node.testing.process_swarm import LocalSwarm
+from node.testing.process_swarm import ProcessSwarm
 
 if __name__ == "__main__":
     base, n = Path(sys.argv[1]), int(sys.argv[2])
-    swarm = LocalSwarm(n, base_dir=base / "swarm", heartbeat_s=1.0)
+    swarm = ProcessSwarm(n, base_dir=base / "swarm", heartbeat_s=1.0)
     swarm.start(timeout=240)
     tmp = base / "pids.json.tmp"
     tmp.write_text(json.dumps([node.proc.pid for node in swarm.nodes]))

@@ -53,7 +53,7 @@ def dht(monkeypatch):
     async def write(dht, run_id, it, peer, record, ttl_s):
         state.writes.append((it, peer, record))
 
-    async def read(dht, run_id, it):
+    async def read(dht, run_id, it, members=None):
         state.reads += 1
         return state.records
 
