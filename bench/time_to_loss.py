@@ -195,18 +195,9 @@ def _wan():
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    DEFAULT_PROFILE = _wan().DEFAULT_PROFILE
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", default=DEFAULT_PROFILE)
-    p.add_argument("--nodes", type=int, default=20)
-    p.add_argument("--stage-sizes", default="5,3,3,3,3,3")
-    p.add_argument("--path-length", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=6, help="per data node per iteration")
-    p.add_argument("--samples", type=int, default=8, help="sequences per microbatch")
-    p.add_argument("--memory", type=int, default=3)
-    p.add_argument("--time-scale", type=float, default=0.05,
-                   help="emulated seconds per paper-setting second (default %(default)s, bench/wan.py --in-process's)")
+    _wan().add_setting_arguments(p, 0.05, "emulated seconds per paper-setting second (default %(default)s, "
+                                 "bench/wan.py --in-process's)")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="emulated seconds of training per schedule (default %(default)s)")
     p.add_argument("--max-iterations", type=int, default=1000, help="cap on iterations per schedule")

@@ -440,8 +440,8 @@ def plot(path: pathlib.Path, names: List[str], measured: List[float], predicted:
     return True
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_setting_arguments(p: argparse.ArgumentParser, time_scale: float, time_scale_help: str) -> None:
+    """The emulated WAN setting's flags (profile, swarm shape, time scale), shared with bench/time_to_loss.py."""
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--nodes", type=int, default=20)
     p.add_argument("--stage-sizes", default="5,3,3,3,3,3")
@@ -449,9 +449,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=6, help="per data node per iteration")
     p.add_argument("--samples", type=int, default=8, help="sequences per microbatch")
     p.add_argument("--memory", type=int, default=3)
-    p.add_argument("--time-scale", type=float, default=0.2,
-                   help="emulated seconds per paper-setting second (default %(default)s: 5x faster, the setting of the "
-                        "README figures; a 0.05 run of 20 daemons on 2 cores once stalled, docs/emulation.md)")
+    p.add_argument("--time-scale", type=float, default=time_scale, help=time_scale_help)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_setting_arguments(p, 0.2, "emulated seconds per paper-setting second (default %(default)s: 5x faster, the "
+                          "setting of the README figures; a 0.05 run of 20 daemons on 2 cores once stalled, "
+                          "docs/emulation.md)")
     p.add_argument("--warmup", type=int, default=1, help="iterations per schedule not measured")
     p.add_argument("--iterations", type=int, default=2, help="measured iterations per schedule")
     p.add_argument("--seed", type=int, default=0)
