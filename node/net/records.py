@@ -29,6 +29,7 @@ no validators) keeps the plain peer-id subkeys: it has no identity to sign with.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import json
@@ -81,6 +82,9 @@ START_RECORD_TTL_S = 3600.0
 FINISHED_RECORD_TTL_S = 3600.0
 #: Slack on the expiry bound: members' DHT clocks disagree by a little.
 EXPIRY_SLACK_S = 60.0
+#: A DHT read that has not answered by then counts as a miss: hivemind can leave a search's future
+#: unresolved when a replica's answer breaks it, and every caller polls again anyway.
+DHT_READ_TIMEOUT_S = 30.0
 
 MAX_PEER_ID_CHARS = 128
 MAX_GROUP = 1024  # peers named in one averaging group
@@ -346,7 +350,10 @@ async def _read(dht, key: str, cls, ttl_s: float,
                 members: Optional[Container[str]] = None) -> Optional[Dict[str, Any]]:
     """Peer id -> record of every valid entry under ``key`` (of an owner in ``members`` when given);
     None when the read found nothing (under load a miss is not "nobody wrote")."""
-    res = await dht.get(key, latest=True, return_future=True)
+    try:
+        res = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), DHT_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return None  # a search that never resolves (a poisoned replica) is a miss: the caller polls again
     if res is None or not isinstance(res.value, dict):
         return None
     signer = _signer(dht)

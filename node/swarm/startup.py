@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 import node.compat  # noqa: F401  (protobuf shim before hivemind)
+from node.compat import make_dht_storage_total_order
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -149,6 +150,7 @@ async def create_dht(p2p: P2P, cfg: DaemonConfig, record_validators: list, log: 
     """A ``hivemind.DHT`` sharing our p2pd, built in an executor (its constructor blocks for seconds)."""
     log = log or logger
     loop = asyncio.get_running_loop()
+    make_dht_storage_total_order()
 
     def make() -> DHT:
         return DHT(

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from node.net.records import SCHEMA_VERSION, finished_key, norm_key, start_key
+from node.net.records import START_RECORD_TTL_S, SCHEMA_VERSION, finished_key, norm_key, start_key
 from node.net.rpc import call_http
 from node.testing.process_swarm import ProcessSwarm, training_state
 
@@ -38,6 +38,7 @@ class Forger(threading.Thread):
         self.swarm, self.member_ids = swarm, member_ids
         self.stop_event = threading.Event()
         self.stored = 0  # forged values some DHT node accepted
+        self.first_round = threading.Event()  # every forged record was written once
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -65,16 +66,21 @@ class Forger(threading.Thread):
                     epoch = int(call_http(self.swarm.nodes[0].rpc_url, "schedule", {}).get("epoch") or 0)
                 except Exception:  # noqa: BLE001 - the schedule may not be out yet
                     pass
-                expiry = time.time() + 120
+                # Past every record's TTL: a DHT read keeps the one replica's dictionary that expires
+                # last, so this makes the forged entries the ones the members read, whichever node
+                # holds them; the reader must drop them all the same.
+                expiry = time.time() + 2 * START_RECORD_TTL_S
                 norm = {"v": SCHEMA_VERSION, "stage": 0, "sq": 3e30, "checksum": 1.0, "epoch": epoch,
                         "loss_sum": 0.0, "n_mb": 1000, "tokens": 0, "dropped": 0, "avg_group": [], "epochs": []}
                 start = {"v": SCHEMA_VERSION, "epoch": 424242, "config": {"forged": 1}, "start": 0,
                          "time": time.time() + 5}
                 finished = {"v": SCHEMA_VERSION, "config": {"forged": 1}, "iteration": ITERATIONS - 1,
                             "time": time.time()}
-                writes = [(norm_key(RUN_ID, it), dict(norm, stage=s)) for it in range(ITERATIONS)
-                          for s in range(len(SIZES))][:3 * ITERATIONS]
-                writes += [(start_key(RUN_ID), start), (finished_key(RUN_ID), finished)]
+                # The start record first: every member reads it while confirming the start, so
+                # each must find (and count) these forgeries.
+                writes = [(start_key(RUN_ID), start), (finished_key(RUN_ID), finished)]
+                writes += [(norm_key(RUN_ID, it), dict(norm, stage=s)) for it in range(ITERATIONS)
+                           for s in range(len(SIZES))]
                 for key, value in writes:
                     subkeys = list(self.member_ids) + [signer.local_public_key]
                     for subkey in subkeys:
@@ -85,8 +91,10 @@ class Forger(threading.Thread):
                                 self.stored += 1
                         except Exception:  # noqa: BLE001 - keep forging
                             pass
+                self.first_round.set()
                 self.stop_event.wait(1.0)
         finally:
+            self.first_round.set()
             dht.shutdown()
 
 
@@ -106,7 +114,15 @@ def test_forged_records_do_not_disturb_training(tmp_path):
     forger = Forger(swarm, ids)
     forger.start()
     try:
-        swarm.start(timeout=240)
+        # Only the founder runs until every forged record is in the DHT: with --min-members 3 no
+        # member can pin a start or read a norm record before the forgeries are there to be read.
+        swarm.spawn(swarm.nodes[0])
+        swarm.wait_ready(swarm.nodes[:1], timeout=240)
+        assert forger.first_round.wait(timeout=240), "the forger never finished writing its records"
+        assert forger.error is None, forger.error
+        for n in swarm.nodes[1:]:
+            swarm.spawn(n)
+        swarm.wait_ready(swarm.nodes[1:], timeout=240)
         deadline = time.monotonic() + 480
         states = {}
         while time.monotonic() < deadline:

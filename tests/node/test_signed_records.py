@@ -116,3 +116,21 @@ def test_non_finite_numbers_where_they_have_no_meaning(ids):
 def test_binding_needs_an_owner_subkey():
     with pytest.raises(ValueError):
         sign_records(SharedDHT({}), b"QmPlainPeerId")
+
+
+def test_dht_storage_holds_mixed_type_subkeys_with_equal_expiry():
+    """An outsider may store a ``str`` subkey next to an owner's ``bytes`` one, both expiring at the
+    same instant; hivemind's expiration heap must still order them, or the key can no longer be
+    stored to (nor a search merging it finish) on that node."""
+    from node.compat import make_dht_storage_total_order
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.utils import get_dht_time
+
+    make_dht_storage_total_order()
+    value = DictionaryDHTValue()
+    expiry = get_dht_time() + 600
+    assert value.store("QmForged", b"x", expiry)
+    assert value.store(b"[owner:ssh-rsa AAAA]", b"y", expiry)
+    assert value.store(7, b"z", expiry)
+    assert value.store(b"[owner:ssh-rsa BBBB]", b"w", expiry + 1)
+    assert {k for k, _ in value.items()} == {"QmForged", b"[owner:ssh-rsa AAAA]", 7, b"[owner:ssh-rsa BBBB]"}
