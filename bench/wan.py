@@ -230,14 +230,17 @@ async def run_live(args, setting: dict) -> Dict[str, dict]:
             full = [swarm.nodes[0].history[i].seconds for i in its]
             overcommits = sum(n.overcommits for n in swarm.nodes)
             behind = _behind([asdict(h) for n in swarm.nodes for h in n.history], its)
-            results[name] = {"iterations_s": mb, **behind, "mean_s": statistics.fmean(mb), "full_iteration_s": full,
+            phases = _commit_phases([asdict(h) for h in swarm.nodes[0].history], its)
+            results[name] = {"iterations_s": mb, **behind, **phases, "mean_s": statistics.fmean(mb), "full_iteration_s": full,
                              "predicted_s": setting["predicted"][name],
                              "predicted_whole_s": setting["predicted_whole"][name],
                              "predicted_unshared_links_s": setting["predicted_unshared"][name],
                              "mean_full_iteration_s": statistics.fmean(full), "overcommits": overcommits,
                              "wall_s": time.perf_counter() - t_run}
             print(f"  {name}: iterations {', '.join(f'{x:.2f}' for x in mb)} s (microbatch phase); "
-                  f"with averaging + norm exchange {statistics.fmean(full):.2f} s; {_behind_text(behind)}", flush=True)
+                  f"with averaging + norm exchange {statistics.fmean(full):.2f} s (node 0: averaging "
+                  f"{phases['averaging_s_node0']:.2f} s, norm exchange {phases['norm_exchange_s_node0']:.2f} s, "
+                  f"step {phases['step_s_node0']:.2f} s); {_behind_text(behind)}", flush=True)
         results["_startup_s"] = {"value": startup_s}
     return results
 
@@ -249,6 +252,14 @@ POLICIES = (("full", "full pipeline"), ("random", "random skip"), ("skippipe", "
 #: gone and recomputed (docs/emulation.md); at 8 s every run finished.
 DAEMON_HEARTBEAT_S = 8.0
 _POLL_S = 2.0
+
+
+def _commit_phases(history: List[dict], its: Sequence[int]) -> dict:
+    """Node 0's mean seconds per measured iteration in each phase after the microbatches: where the
+    whole iteration's fixed cost goes."""
+    rows = [h for h in history if h.get("iteration") in set(its)]
+    return {f"{k}_node0": statistics.fmean(h.get(k, 0.0) for h in rows) if rows else 0.0
+            for k in ("averaging_s", "norm_exchange_s", "step_s")}
 
 
 def _behind(history: List[dict], its: Sequence[int]) -> dict:
@@ -388,8 +399,8 @@ def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib
           f"{sorted({len(r) for r in routes})}); iterations {', '.join(f'{x:.2f}' for x in mb)} s (microbatch phase); "
           f"with averaging + norm exchange {statistics.fmean(full):.2f} s; {len(leftover)} processes left; "
           f"{_behind_text(behind)}", flush=True)
-    return {"iterations_s": mb, **behind, "mean_s": statistics.fmean(mb), "full_iteration_s": full,
-            "mean_full_iteration_s": statistics.fmean(full), "predicted_s": predicted,
+    return {"iterations_s": mb, **behind, **_commit_phases(lead, its), "mean_s": statistics.fmean(mb),
+            "full_iteration_s": full, "mean_full_iteration_s": statistics.fmean(full), "predicted_s": predicted,
             "predicted_unshared_links_s": unshared, "predicted_whole_s": whole,
             "overcommits": sum(int(st.get("overcommits") or 0) for st in done.values()),
             "daemons_ready_s": ready_s, "wall_s": wall, "leftover_processes": len(leftover),

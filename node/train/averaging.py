@@ -15,6 +15,12 @@ mid-all-reduce can leave the survivors with slightly different values: :meth:`av
 such rounds as failed when hivemind notices, and :func:`node.train.runtime.StageRuntime.checksum`
 is compared across replicas every iteration, and a diverged replica copies the canonical one's
 state (:class:`node.train.commit.IterationCommit`).
+
+Matchmaking (DHT declarations and join requests among the replicas) costs seconds, several times
+the all-reduce of a small stage. :meth:`StageAverager.prepare` starts it when the iteration starts,
+with the all-reduce held until :meth:`StageAverager.average` loads the gradients and releases it, so
+the group is usually formed by the time the last backward is done. A prepared round that fails
+(a groupmate died or skipped) falls back to the windowed rounds below.
 """
 
 from __future__ import annotations
@@ -82,6 +88,8 @@ class AveragingConfig:
     #: how the replicas' gradients travel in the all-reduce (see AVERAGING_COMPRESSIONS); part of the
     #: run configuration every member compares, like the rest of this class
     compression: str = "none"
+    #: start matchmaking when the iteration starts (see :meth:`StageAverager.prepare`)
+    prepare_early: bool = True
 
 
 #: Smallest weight a replica averages with (see StageAverager.average).
@@ -144,6 +152,10 @@ class StageAverager:
         )
         self._started = False
         self.last_group: tuple = ()
+        self._pending = None  # hivemind StepControl of a prepared round: matchmaking, all-reduce held
+        #: prepared rounds that averaged / that fell back to the windowed rounds (bench and tests read them)
+        self.prepared_ok = 0
+        self.prepared_failed = 0
 
     async def start(self) -> None:
         """Fork the averager process without blocking the loop for long; keep our SIGINT handler."""
@@ -159,6 +171,51 @@ class StageAverager:
         await self._avg._ready  # MPFuture, awaitable
         self._started = True
         logger.debug("averager %s ready (group of %d)", self.prefix, self.group_size)
+
+    def prepare(self, expected_s: float) -> None:
+        """Start matchmaking for the next :meth:`average` now; its all-reduce waits for that call.
+
+        ``expected_s`` is how long until then (the last iteration's microbatch phase): a group that
+        is not complete by then plus one round window (a replica died) is given up, and
+        :meth:`average` runs the windowed rounds instead. Call on the event loop thread."""
+        if self._pending is not None and self._pending.done():
+            self._pending = None  # a round prepared for an iteration that never averaged
+        if not self._started or self._pending is not None or not self.cfg.prepare_early:
+            return
+        import_hivemind()
+        from hivemind.utils import get_dht_time
+
+        now = get_dht_time()
+        timeout = max(float(expected_s), self.cfg.min_matchmaking_time_s) + self.cfg.round_window_s
+        try:
+            self._pending = self._avg.step(weight=1.0, scheduled_time=now + self.cfg.min_matchmaking_time_s,
+                                           timeout=timeout, allow_retries=False, require_trigger=True, wait=False)
+        except Exception as e:  # noqa: BLE001 - the windowed rounds still run
+            logger.debug("could not prepare an averaging round of %s: %r", self.prefix, e)
+            self._pending = None
+
+    def cancel_prepared(self) -> None:
+        """Withdraw a prepared round that :meth:`average` will not run (its groupmates then fail fast)."""
+        control, self._pending = self._pending, None
+        if control is not None and not control.done():
+            try:
+                control.cancel()
+            except Exception:  # noqa: BLE001 - already finished
+                pass
+
+    async def _run_prepared(self, control, tensors: List[torch.Tensor], weight: float):
+        """Release a prepared round with our gradients; hivemind's result, or None if it failed."""
+        if control.done():  # matchmaking gave up before we got here
+            return None
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._load, tensors)
+        control.weight = weight
+        control.allow_allreduce()
+        try:
+            return await asyncio.wait_for(control, self.cfg.matchmaking_timeout_s)
+        except Exception as e:  # noqa: BLE001 - hivemind raises assorted errors on failed rounds
+            logger.debug("prepared averaging round of %s failed: %r", self.prefix, e)
+            return None
 
     async def average(self, tensors: List[torch.Tensor], weight: float,
                       abandon_when: Optional[Callable[[], Awaitable[bool]]] = None) -> bool:
@@ -180,8 +237,19 @@ class StageAverager:
         # gradient of unvisited replicas instead and is negligible next to one visit
         weight = max(float(weight), MIN_WEIGHT)
         loop = asyncio.get_running_loop()
+        control, self._pending = self._pending, None
+        result = await self._run_prepared(control, tensors, weight) if control is not None else None
+        if control is not None:
+            if result is not None:
+                self.prepared_ok += 1
+            else:
+                self.prepared_failed += 1
+                if abandon_when is not None and await self._ask(abandon_when):
+                    logger.warning("averaging round of %s abandoned: the groupmates went on without this replica",
+                                   self.prefix)
+                    return False
         deadline = loop.time() + self.cfg.matchmaking_timeout_s
-        while True:
+        while result is None:
             # every window starts from our own values (a failed all-reduce may have written some parts);
             # copied in a worker thread: from a GPU the copy waits for the device, which the loop must not
             await loop.run_in_executor(None, self._load, tensors)
@@ -236,6 +304,7 @@ class StageAverager:
 
     def shutdown(self) -> None:
         """Blocking (up to hivemind's 5 s grace, then kill): call it from an executor thread."""
+        self._pending = None
         if self._started and self._avg.is_alive():
             self._avg.shutdown()
             if self._avg.is_alive():  # forked child may ignore SIGTERM (inherited handlers)

@@ -198,6 +198,18 @@ class IterationCommit:
             resynced=source is not None, compute_overrun_s=behind[0], late_frames_s=behind[1])
 
     # ------------------------------------------------------------------ averaging
+    def prepare_averaging(self) -> None:
+        """At the start of an iteration: let the stage's averager find its group while the
+        microbatches run (matchmaking off the critical path; see StageAverager.prepare)."""
+        node = self.node
+        if node.averager is None:
+            return
+        group = node.epochs.replicas(node.stage)
+        if sum(1 for p in group if node.health.is_alive(p)) < 2:
+            return
+        last = node.history[-1].microbatch_s if node.history else self.cfg.averaging.matchmaking_timeout_s
+        node.averager.prepare(expected_s=last)
+
     async def _average(self, it: int) -> Optional[bool]:
         node = self.node
         assert node.runtime is not None
@@ -206,6 +218,7 @@ class IterationCommit:
         await node.pipeline.compute(node.runtime.mean_grads)  # device work: in the compute thread
         if node.averager is None or len(live) < 2:
             if node.averager is not None:
+                node.averager.cancel_prepared()
                 self.log.warning("stage %d averaging skipped at iteration %d: no other replica in the view (%s)",
                                  node.stage, it, ", ".join(p[-8:] for p in group if p != node.peer_id))
             return None

@@ -377,6 +377,7 @@ class TrainerNode:
         t0 = time.perf_counter()
         behind0 = self._emulation_behind()
         st = self.iteration_state(it)
+        self.commit.prepare_averaging()
         self.pipeline.open, self.pipeline.opened = True, it
         if self._first_iteration < 0:
             self._first_iteration = it

@@ -113,6 +113,57 @@ async def test_windows_meet_a_late_groupmate_and_an_abandoned_round_keeps_the_lo
             await loop.run_in_executor(None, d.shutdown)
 
 
+async def test_prepared_rounds_average_and_a_withdrawn_one_falls_back():
+    """Matchmaking started at the iteration's start (prepare) is released by average with the
+    gradients of then; a groupmate that withdraws its prepared round (it skipped averaging) makes the
+    other fall back to the windowed rounds and give up when told the groupmate went on."""
+    hivemind = import_hivemind()
+    loop = asyncio.get_running_loop()
+    first = await loop.run_in_executor(None, lambda: hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    maddrs = [str(x) for x in first.get_visible_maddrs()]
+    second = await loop.run_in_executor(None, lambda: hivemind.DHT(
+        start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    like = [torch.zeros(3)]
+    a = StageAverager(first, like, prefix="prepared_stage0_epoch0", group_size=2, cfg=QUICK)
+    b = StageAverager(second, like, prefix="prepared_stage0_epoch0", group_size=2, cfg=QUICK)
+    try:
+        await a.start()
+        await b.start()
+        for _ in range(2):  # two iterations in a row
+            a.prepare(expected_s=3.0)
+            b.prepare(expected_s=3.0)
+            await asyncio.sleep(2.0)  # the microbatches
+            ta, tb = [torch.full((3,), 1.0)], [torch.full((3,), 4.0)]
+            ok = await asyncio.gather(a.average(ta, weight=2.0), b.average(tb, weight=1.0))
+            assert ok == [True, True]
+            assert torch.allclose(ta[0], torch.full((3,), 2.0)) and torch.allclose(tb[0], ta[0])
+        assert (a.prepared_ok, b.prepared_ok) == (2, 2) and (a.prepared_failed, b.prepared_failed) == (0, 0)
+
+        a.prepare(expected_s=3.0)
+        b.prepare(expected_s=3.0)
+        await asyncio.sleep(1.0)
+        b.cancel_prepared()  # B skips this round
+
+        async def went_on() -> bool:
+            return True
+
+        mine = [torch.full((3,), 7.0)]
+        assert await a.average(mine, weight=1.0, abandon_when=went_on) is False
+        assert a.prepared_failed == 1 and torch.equal(mine[0], torch.full((3,), 7.0))
+
+        # and the next prepared round of both works again
+        a.prepare(expected_s=3.0)
+        b.prepare(expected_s=3.0)
+        ta, tb = [torch.full((3,), 3.0)], [torch.full((3,), 5.0)]
+        ok = await asyncio.gather(a.average(ta, weight=1.0), b.average(tb, weight=1.0))
+        assert ok == [True, True] and torch.allclose(ta[0], torch.full((3,), 4.0))
+    finally:
+        for x in (a, b):
+            await loop.run_in_executor(None, x.shutdown)
+        for d in (second, first):
+            await loop.run_in_executor(None, d.shutdown)
+
+
 # ---------------------------------------------------------------- a swarm whose view flaps
 async def test_view_flap_costs_a_resync_not_the_matchmaking_timeout(splits):
     """Data node 0 loses data node 1 from its view during iteration 1 (injected), so it skips the
