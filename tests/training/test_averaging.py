@@ -129,9 +129,9 @@ async def test_prepared_rounds_average_and_a_withdrawn_one_falls_back():
     try:
         await a.start()
         await b.start()
-        for _ in range(2):  # two iterations in a row
-            a.prepare(expected_s=3.0)
-            b.prepare(expected_s=3.0)
+        for _ in range(2):  # two iterations in a row; a slow host gets 20 s to form the group
+            a.prepare(expected_s=20.0)
+            b.prepare(expected_s=20.0)
             await asyncio.sleep(2.0)  # the microbatches
             ta, tb = [torch.full((3,), 1.0)], [torch.full((3,), 4.0)]
             ok = await asyncio.gather(a.average(ta, weight=2.0), b.average(tb, weight=1.0))
@@ -152,8 +152,8 @@ async def test_prepared_rounds_average_and_a_withdrawn_one_falls_back():
         assert a.prepared_failed == 1 and torch.equal(mine[0], torch.full((3,), 7.0))
 
         # and the next prepared round of both works again
-        a.prepare(expected_s=3.0)
-        b.prepare(expected_s=3.0)
+        a.prepare(expected_s=20.0)
+        b.prepare(expected_s=20.0)
         ta, tb = [torch.full((3,), 3.0)], [torch.full((3,), 5.0)]
         ok = await asyncio.gather(a.average(ta, weight=1.0), b.average(tb, weight=1.0))
         assert ok == [True, True] and torch.allclose(ta[0], torch.full((3,), 4.0))
