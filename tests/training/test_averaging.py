@@ -8,6 +8,7 @@ published a record that does not name it.
 """
 
 import asyncio
+import contextlib
 import logging
 
 import pytest
@@ -57,19 +58,32 @@ def test_group_of_three_needs_every_groupmate_gone_on():
 
 
 # ---------------------------------------------------------------- real averagers on a real DHT
-async def test_windows_meet_a_late_groupmate_and_an_abandoned_round_keeps_the_local_gradient(caplog):
+@contextlib.asynccontextmanager
+async def two_replicas(prefix: str):
+    """Two DHT peers on loopback and a started averager of one group of two on each:
+    (first DHT, second DHT, its averager A, B)."""
     hivemind = import_hivemind()
     loop = asyncio.get_running_loop()
     first = await loop.run_in_executor(None, lambda: hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-    maddrs = [str(a) for a in first.get_visible_maddrs()]
+    maddrs = [str(m) for m in first.get_visible_maddrs()]
     second = await loop.run_in_executor(None, lambda: hivemind.DHT(
         start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
     like = [torch.zeros(3)]
-    a = StageAverager(first, like, prefix="abandon_stage0_epoch0", group_size=2, cfg=QUICK)
-    b = StageAverager(second, like, prefix="abandon_stage0_epoch0", group_size=2, cfg=QUICK)
+    a = StageAverager(first, like, prefix=prefix, group_size=2, cfg=QUICK)
+    b = StageAverager(second, like, prefix=prefix, group_size=2, cfg=QUICK)
     try:
         await a.start()
         await b.start()
+        yield first, second, a, b
+    finally:
+        for x in (a, b):
+            await loop.run_in_executor(None, x.shutdown)
+        for d in (second, first):
+            await loop.run_in_executor(None, d.shutdown)
+
+
+async def test_windows_meet_a_late_groupmate_and_an_abandoned_round_keeps_the_local_gradient(caplog):
+    async with two_replicas("abandon_stage0_epoch0") as (first, second, a, b):
         # B starts two windows after A: A's first window ends without a group, a later one meets B
         checks = []
 
@@ -106,29 +120,13 @@ async def test_windows_meet_a_late_groupmate_and_an_abandoned_round_keeps_the_lo
         ta, tb = [torch.full((3,), 3.0)], [torch.full((3,), 5.0)]
         ok = await asyncio.gather(a.average(ta, weight=1.0), b.average(tb, weight=1.0))
         assert ok == [True, True] and torch.allclose(ta[0], torch.full((3,), 4.0))
-    finally:
-        for x in (a, b):
-            await loop.run_in_executor(None, x.shutdown)
-        for d in (second, first):
-            await loop.run_in_executor(None, d.shutdown)
 
 
 async def test_prepared_rounds_average_and_a_withdrawn_one_falls_back():
     """Matchmaking started at the iteration's start (prepare) is released by average with the
     gradients of then; a groupmate that withdraws its prepared round (it skipped averaging) makes the
     other fall back to the windowed rounds and give up when told the groupmate went on."""
-    hivemind = import_hivemind()
-    loop = asyncio.get_running_loop()
-    first = await loop.run_in_executor(None, lambda: hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-    maddrs = [str(x) for x in first.get_visible_maddrs()]
-    second = await loop.run_in_executor(None, lambda: hivemind.DHT(
-        start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-    like = [torch.zeros(3)]
-    a = StageAverager(first, like, prefix="prepared_stage0_epoch0", group_size=2, cfg=QUICK)
-    b = StageAverager(second, like, prefix="prepared_stage0_epoch0", group_size=2, cfg=QUICK)
-    try:
-        await a.start()
-        await b.start()
+    async with two_replicas("prepared_stage0_epoch0") as (first, second, a, b):
         for _ in range(2):  # two iterations in a row; a slow host gets 20 s to form the group
             a.prepare(expected_s=20.0)
             b.prepare(expected_s=20.0)
@@ -157,11 +155,6 @@ async def test_prepared_rounds_average_and_a_withdrawn_one_falls_back():
         ta, tb = [torch.full((3,), 3.0)], [torch.full((3,), 5.0)]
         ok = await asyncio.gather(a.average(ta, weight=1.0), b.average(tb, weight=1.0))
         assert ok == [True, True] and torch.allclose(ta[0], torch.full((3,), 4.0))
-    finally:
-        for x in (a, b):
-            await loop.run_in_executor(None, x.shutdown)
-        for d in (second, first):
-            await loop.run_in_executor(None, d.shutdown)
 
 
 # ---------------------------------------------------------------- a swarm whose view flaps
