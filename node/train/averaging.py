@@ -153,7 +153,7 @@ class StageAverager:
         self._started = False
         self.last_group: tuple = ()
         self._pending = None  # hivemind StepControl of a prepared round: matchmaking, all-reduce held
-        #: prepared rounds that averaged / that fell back to the windowed rounds (bench and tests read them)
+        #: prepared rounds that averaged / that fell back to the windowed rounds (the tests read them)
         self.prepared_ok = 0
         self.prepared_failed = 0
 
@@ -244,9 +244,7 @@ class StageAverager:
                 self.prepared_ok += 1
             else:
                 self.prepared_failed += 1
-                if abandon_when is not None and await self._ask(abandon_when):
-                    logger.warning("averaging round of %s abandoned: the groupmates went on without this replica",
-                                   self.prefix)
+                if await self._abandoned(abandon_when):
                     return False
         deadline = loop.time() + self.cfg.matchmaking_timeout_s
         while result is None:
@@ -265,9 +263,7 @@ class StageAverager:
             if loop.time() >= deadline:
                 logger.warning("averaging round of %s failed: %s", self.prefix, error)
                 return False
-            if abandon_when is not None and await self._ask(abandon_when):
-                logger.warning("averaging round of %s abandoned: the groupmates went on without this replica",
-                               self.prefix)
+            if await self._abandoned(abandon_when):
                 return False
             logger.debug("averaging window of %s ended without a group (%s); trying again", self.prefix, error)
         if not await loop.run_in_executor(None, self._store, tensors):
@@ -276,6 +272,13 @@ class StageAverager:
                            self.prefix)
             return False
         self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
+        return True
+
+    async def _abandoned(self, abandon_when: Optional[Callable[[], Awaitable[bool]]]) -> bool:
+        """Whether to give the round up (the groupmates went on without this replica); says so."""
+        if abandon_when is None or not await self._ask(abandon_when):
+            return False
+        logger.warning("averaging round of %s abandoned: the groupmates went on without this replica", self.prefix)
         return True
 
     async def _ask(self, abandon_when: Callable[[], Awaitable[bool]]) -> bool:

@@ -204,17 +204,20 @@ class IterationCommit:
         node = self.node
         if node.averager is None:
             return
-        group = node.epochs.replicas(node.stage)
-        if sum(1 for p in group if node.health.is_alive(p)) < 2:
+        if len(self._live_replicas()) < 2:
             return
         last = node.history[-1].microbatch_s if node.history else self.cfg.averaging.matchmaking_timeout_s
         node.averager.prepare(expected_s=last)
+
+    def _live_replicas(self) -> list:
+        node = self.node
+        return [p for p in node.epochs.replicas(node.stage) if node.health.is_alive(p)]
 
     async def _average(self, it: int) -> Optional[bool]:
         node = self.node
         assert node.runtime is not None
         group = node.epochs.replicas(node.stage)
-        live = [p for p in group if node.health.is_alive(p)]
+        live = self._live_replicas()
         await node.pipeline.compute(node.runtime.mean_grads)  # device work: in the compute thread
         if node.averager is None or len(live) < 2:
             if node.averager is not None:
