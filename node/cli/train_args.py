@@ -23,6 +23,8 @@ DEFAULT_TRAIN_ITERATIONS = 100
 MODEL_SIZE_NAMES = ("tiny", "small", "500m")
 #: BPE vocabulary the named ``500m`` size trains by default (its vocab in the paper).
 LARGE_MODEL_BPE = "bpe:32000"
+#: ``--ban S``: the longest ban is this many times the first (the default 30 s / 300 s keeps it too)
+BAN_MAX_FACTOR = 10
 
 
 def default_tokenizer(model: str) -> str:
@@ -119,10 +121,15 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float_range(0, MAX_DURATION_S), default=60.0, metavar="S",
                    help="on SIGTERM keep training until a schedule epoch without this node starts, at most "
                         "this long, so no in-flight microbatch is lost (default %(default)s)")
+    g.add_argument("--ban", type=float_range(0, MAX_DURATION_S, lo_open=True), default=None, metavar="S",
+                   help="seconds a peer this node suspects (dead, or sent poison) stays off its routes the first "
+                        "time; doubles on each repeat up to 10x (default 30)")
     g.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="fault injection for rehearsals and tests (repeatable): "
                         "ACTION@iteration=I[,hop=J][,direction=forward|backward][,microbatch=M][,delay=S][,times=N] "
-                        "with ACTION drop, delay or kill, e.g. kill@iteration=3,hop=2,direction=backward")
+                        "with ACTION drop, delay or kill, e.g. kill@iteration=3,hop=2,direction=backward; or "
+                        "corrupt@iteration=I,target=activations|gradients|average|norm,fill=V|scale=V[,times=N] "
+                        "to rehearse a bad member")
     add_emulation_arguments(p, location=False)  # node run has its own --location (advertised to peers)
 
 
@@ -175,6 +182,7 @@ def training_services_from_args(args: argparse.Namespace) -> list:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         iteration_timeout_s=args.iteration_timeout,
+        **({} if getattr(args, "ban", None) is None else {"ban_s": args.ban, "ban_max_s": BAN_MAX_FACTOR * args.ban}),
     )
     service = TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
                              start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,

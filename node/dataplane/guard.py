@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Dict, Hashable, Optional, Tuple
 
+from node.dataplane.magnitude import OUT_OF_RANGE, MagnitudeScreen, measure
 from protocol import NonFiniteTensor, ProtocolError
 from protocol.compression import NO_COMPRESSION, wire_compression
 from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone, MicrobatchId, NormReport
@@ -42,6 +43,7 @@ __all__ = [
     "FRAME_SIZE_FACTOR",
     "ENVELOPE_MARGIN_BYTES",
     "DEFAULT_MAX_REPLAY_ENTRIES",
+    "CONTENT_FAULTS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,24 @@ NOT_MEMBER = "not_member"
 REPLAYED = "replayed"
 REASONS: Tuple[str, ...] = (WRONG_RUN, WRONG_DTYPE, WRONG_SHAPE, BAD_TENSOR, NON_FINITE, OUT_OF_EPOCH,
                             STALE_ITERATION, FUTURE_ITERATION, NOT_FOR_US, BAD_HOP, WRONG_SENDER, NOT_MEMBER,
-                            REPLAYED, WRONG_COMPRESSION)
+                            REPLAYED, WRONG_COMPRESSION, OUT_OF_RANGE)
+#: Reasons that say the *content* of a hop tensor is poison (not that it is late, misaddressed or
+#: from an outsider): such a frame from a member counts as that member's fault, and its microbatch
+#: is reported failed to its data node at once (node.train.screening.on_rejected_frame).
+CONTENT_FAULTS = frozenset({NON_FINITE, OUT_OF_RANGE, BAD_TENSOR, WRONG_SHAPE, WRONG_DTYPE, WRONG_COMPRESSION})
+
+
+def _frame_values(frame):
+    """The frame's values as a 1-D float numpy array (decompressed; bfloat16 widened to float32)."""
+    import numpy as np
+
+    from protocol.tensor import DTYPES
+
+    info = DTYPES[frame.dtype]
+    raw = frame.raw_bytes()
+    if info.float_numpy is not None:
+        return np.frombuffer(raw, dtype=info.float_numpy)
+    return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)  # bfloat16
 
 
 def compressions_for_wire(wire: str) -> Tuple[str, ...]:
@@ -119,6 +138,7 @@ class MicrobatchGuard:
         compressions: Collection[str] = DEFAULT_COMPRESSIONS,
         max_replay_entries: int = DEFAULT_MAX_REPLAY_ENTRIES,
         envelope_margin_bytes: int = ENVELOPE_MARGIN_BYTES,
+        screen_magnitudes: bool = True,
     ) -> None:
         self.run_id = run_id
         self.hidden_shape = tuple(int(d) for d in hidden_shape)
@@ -135,6 +155,8 @@ class MicrobatchGuard:
         #: iteration -> {frame id: None} (dicts keep insertion order: the oldest is evicted first)
         self._seen: Dict[int, Dict[Hashable, None]] = {}
         self._n_seen = 0
+        #: recent magnitudes of accepted activations and gradients (None: the check is off)
+        self.magnitudes: Optional[MagnitudeScreen] = MagnitudeScreen() if screen_magnitudes else None
 
     # ------------------------------------------------------------------ public API
     def check(self, msg: object, sender: str) -> Optional[str]:
@@ -207,6 +229,9 @@ class MicrobatchGuard:
         # only an accepted frame is remembered (an outsider must not pre-empt a member's frame id)
         if self.members is not None and sender not in self.members():
             return Rejection(NOT_MEMBER, f"{kind} from a peer outside the schedule")
+        rejection = self._check_magnitude(msg.tensor, kind)
+        if rejection is not None:
+            return rejection
         self._remember(bucket, key)
         return None
 
@@ -259,6 +284,20 @@ class MicrobatchGuard:
         if self.members is not None and sender not in self.members():
             return Rejection(NOT_MEMBER, "NormReport from a peer outside the schedule")
         return None
+
+    # ------------------------------------------------------------------ magnitude (a bad member)
+    def _check_magnitude(self, frame, kind: str) -> Optional[Rejection]:
+        """Refuse a member's finite frame whose values are far outside what this node received of
+        that kind lately (:mod:`node.dataplane.magnitude`). Runs last, on a frame that passed every
+        other rule, so only frames of members that would otherwise be accepted shape the statistics."""
+        if self.magnitudes is None:
+            return None
+        try:
+            magnitude = measure(_frame_values(frame))
+        except (ProtocolError, ValueError, KeyError) as e:
+            return Rejection(BAD_TENSOR, str(e)[:200])
+        why = self.magnitudes.judge(kind, magnitude)
+        return None if why is None else Rejection(OUT_OF_RANGE, why)
 
     # ------------------------------------------------------------------ replay memory
     def _remember(self, bucket: Dict[Hashable, None], key: Hashable) -> None:

@@ -132,7 +132,7 @@ class DataPlane:
                  allow: Optional[Callable[[str], bool]] = None, metrics=None, guard=None,
                  frame_rate_per_s: Optional[float] = DEFAULT_FRAME_RATE_PER_S,
                  frame_burst: float = DEFAULT_FRAME_BURST, max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
-                 wire: str = "fp32"):
+                 wire: str = "fp32", on_rejected: Optional[Callable[[object, str, str, str], None]] = None):
         """``emulator``: optional :class:`node.dataplane.emulation.LinkEmulator`; None (default) = no emulation.
         ``allow(peer)``: swarm access control; frames from a peer it refuses are dropped unread.
         ``metrics``: optional :class:`node.ops.metrics.NodeMetrics` (hops, bytes and rejections are counted).
@@ -140,7 +140,10 @@ class DataPlane:
         replaces :data:`MAX_FRAME_BYTES`). ``frame_rate_per_s``/``frame_burst``: per-peer token
         bucket on received frames; ``frame_rate_per_s=None`` turns it off. ``max_streams_per_peer``:
         incoming streams one peer may hold open at once (more are refused). ``wire``: the run's wire
-        format (fp32, bf16, fp16, int8): the codec activations and gradients are sent with."""
+        format (fp32, bf16, fp16, int8): the codec activations and gradients are sent with.
+        ``on_rejected(msg, sender, reason, detail)``: told of every decoded message the guard refused
+        (must not block)."""
+        self.on_rejected = on_rejected
         self.p2p = p2p
         self.compression = wire_compression(wire)
         self.emulator = emulator
@@ -190,6 +193,16 @@ class DataPlane:
         if n is not None:
             logger.warning("data plane: refused frame from %s: %s (%s)%s", sender[-8:], reason, detail,
                            f" [{n} so far]" if n > 1 else "")
+
+    def _tell_rejected(self, msg: object, sender: str, reason: str, detail: str) -> None:
+        """Hand a decoded message the guard refused to ``on_rejected`` (the trainer blames a member
+        that sent poison and fails its microbatch at once instead of letting it time out)."""
+        if self.on_rejected is None:
+            return
+        try:
+            self.on_rejected(msg, sender, reason, detail)
+        except Exception:  # noqa: BLE001 - the stream goes on whatever the callback does
+            logger.debug("on_rejected failed", exc_info=True)
 
     def _occurrence(self, sender: str, what: str) -> Optional[int]:
         """How often ``sender`` did ``what`` so far, when that is worth a log line (first, every Nth), else None."""
@@ -272,6 +285,7 @@ class DataPlane:
                     reason, detail = self._inspect(msg, sender)
                     if reason is not None:
                         self._reject(sender, reason, detail)
+                        self._tell_rejected(msg, sender, reason, detail)
                         continue
                 self._record_hop(sender, msg, len(data), "in", None)
                 hold = self._hold_s(msg)

@@ -152,6 +152,8 @@ class StageAverager:
         )
         self._started = False
         self.last_group: tuple = ()
+        #: norm of the last averaged result refused for exceeding ``max_norm`` (None: not refused)
+        self.last_outlier: Optional[float] = None
         self._pending = None  # hivemind StepControl of a prepared round: matchmaking, all-reduce held
         #: prepared rounds that averaged / that fell back to the windowed rounds (the tests read them)
         self.prepared_ok = 0
@@ -218,7 +220,8 @@ class StageAverager:
             return None
 
     async def average(self, tensors: List[torch.Tensor], weight: float,
-                      abandon_when: Optional[Callable[[], Awaitable[bool]]] = None) -> bool:
+                      abandon_when: Optional[Callable[[], Awaitable[bool]]] = None,
+                      max_norm: Optional[float] = None) -> bool:
         """Replace ``tensors`` in place by the group's weighted mean; False if the round failed.
 
         The round runs as hivemind steps of at most ``round_window_s`` each, until one finds the
@@ -229,9 +232,12 @@ class StageAverager:
         matchmaking timeout for a group that cannot form. (Cancelling a running hivemind step is
         not an option: hivemind 1.1.12 retries a cancelled step until its deadline, and the next
         round queues behind it.) After a successful round :attr:`last_group` holds the peer ids
-        the round averaged with, this one included."""
+        the round averaged with, this one included. ``max_norm``: a result whose norm exceeds it is
+        refused like a non-finite one (one groupmate's poisoned contribution, node.train.screening);
+        :attr:`last_outlier` then holds that norm."""
         assert self._started, "call start() first"
         self.last_group = ()
+        self.last_outlier = None
         # hivemind divides by the sum of the group's weights: if no replica was visited this
         # iteration all weights would be 0 and the mean 0/0 = NaN; a tiny floor gives the zero
         # gradient of unvisited replicas instead and is negligible next to one visit
@@ -266,10 +272,14 @@ class StageAverager:
             if await self._abandoned(abandon_when):
                 return False
             logger.debug("averaging window of %s ended without a group (%s); trying again", self.prefix, error)
-        if not await loop.run_in_executor(None, self._store, tensors):
+        if not await loop.run_in_executor(None, self._store, tensors, max_norm):
             # never let a bad round poison the stage: keep our own gradient instead
-            logger.warning("averaging round of %s returned non-finite values; keeping the local gradient",
-                           self.prefix)
+            if self.last_outlier is not None:
+                logger.warning("averaging round of %s returned a gradient of norm %.3g (bound %.3g); keeping the "
+                               "local gradient", self.prefix, self.last_outlier, max_norm)
+            else:
+                logger.warning("averaging round of %s returned non-finite values; keeping the local gradient",
+                               self.prefix)
             return False
         self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
         return True
@@ -296,11 +306,17 @@ class StageAverager:
             for buf, t in zip(buffers, tensors):
                 buf.copy_(t.detach(), non_blocking=False)
 
-    def _store(self, tensors: List[torch.Tensor]) -> bool:
-        """The averaged buffers back into our tensors; False (and ours untouched) if any is not finite."""
+    def _store(self, tensors: List[torch.Tensor], max_norm: Optional[float] = None) -> bool:
+        """The averaged buffers back into our tensors; False (and ours untouched) if any is not finite
+        or their norm exceeds ``max_norm`` (then recorded in :attr:`last_outlier`)."""
         with self._avg.get_tensors() as buffers:
             if not all(bool(torch.isfinite(buf).all()) for buf in buffers):
                 return False
+            if max_norm is not None:
+                norm = float(torch.sqrt(sum(buf.double().pow(2).sum() for buf in buffers)))
+                if norm > max_norm:
+                    self.last_outlier = norm
+                    return False
             for buf, t in zip(buffers, tensors):
                 t.copy_(buf)
         return True

@@ -10,8 +10,10 @@
    :class:`protocol.messages.NormReport` over the data plane, stores the same numbers as a
    :class:`node.net.records.NormRecord` in the DHT, and waits for every member's; the DHT records
    are read only for members whose report did not arrive within ``norm_direct_grace_s``. The global
-   norm is the square root of the sum over stages (one value per stage: the replica with the
-   smallest peer id, so every node computes the same number). A member silent for
+   norm is the square root of the sum over stages of the lower median of the stage's reports, with
+   non-finite and absurd reports of a member left out (:func:`node.train.screening.robust_squared_norm`:
+   every node computes the same number from the same reports, and no one member can freeze or
+   unclip the step). A member silent for
    ``norm_exchange_timeout_s`` is suspected and left out: a hung node must not stop the swarm.
 3. **Clip and step** by ``min(1, clip / norm)``; a non-finite norm skips the step. A replica whose
    checksum differs from its stage's canonical replica (a failed all-reduce) copies that replica's
@@ -35,6 +37,7 @@ from node.train.averaging import groupmates_went_on
 from node.train.common import DoneFromNorm, IterationState, IterationStats, NodeLog
 from node.train.precision import loss_scales_agree
 from node.train.runtime import clip_coefficient
+from node.train.screening import AveragingScreen, robust_squared_norm
 
 if TYPE_CHECKING:
     from node.train.trainer import TrainerNode
@@ -59,12 +62,8 @@ def resync_source(replicas: Mapping[str, Tuple[int, float]], mine: float, stage:
 
 
 def global_squared_norm(records: Mapping[str, NormRecord]) -> float:
-    """Sum over stages of the squared norm of the stage's lowest-id replica."""
-    per_stage: Dict[int, Tuple[str, float]] = {}
-    for peer, r in records.items():
-        if r.stage not in per_stage or peer < per_stage[r.stage][0]:
-            per_stage[r.stage] = (peer, r.sq)
-    return sum(sq for _, sq in per_stage.values())
+    """Sum over stages of the lower median of the stage's accepted reports (see robust_squared_norm)."""
+    return robust_squared_norm(records).total_sq
 
 
 def norm_report(run_id: str, iteration: int, peer_id: str, record: NormRecord) -> NormReport:
@@ -101,6 +100,11 @@ class IterationCommit:
         #: seconds the real all-reduce took beyond it (the host was slower than the emulated links)
         self.averaging_padded_s = 0.0
         self.averaging_overrun_s = 0.0
+        #: bounds this replica's averaged gradients (a groupmate's poisoned contribution)
+        self.screen = AveragingScreen()
+        #: norm reports of members left out of the clip coefficient, and averaged results refused
+        self.excluded_reports = 0
+        self.averaging_outliers = 0
 
     # ------------------------------------------------------------------ direct norm reports
     def on_norm_report(self, msg: NormReport, sender: str) -> None:
@@ -164,12 +168,17 @@ class IterationCommit:
             loss_sum=float(sum(st.losses)), n_mb=len(st.losses), tokens=st.tokens if node.is_data_node else 0,
             dropped=st.dropped if node.is_data_node else 0,
             avg_group=tuple(node.averager.last_group) if averaged and node.averager is not None else ())
+        if node.faults:  # rehearsing a bad member: the report says what the rule makes it say
+            mine = replace(mine, sq=float(node.faults.tamper(it, "norm", mine.sq)))
         records = await self._exchange_norms(it, mine)
-        total_sq = global_squared_norm(records)
+        verdict = robust_squared_norm(records)
+        self._blame_reports(it, verdict.excluded)
+        total_sq = verdict.total_sq
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
         t_norm = time.perf_counter()
         source = self._resync_source(records, mine.checksum)
-        finite = math.isfinite(total_sq) and math.isfinite(mine.sq)
+        # a member whose own report was left out steps on nothing (its gradient is the outlier)
+        finite = math.isfinite(total_sq) and math.isfinite(mine.sq) and node.peer_id not in verdict.excluded
         # fp16: a member whose loss scale differs from the canonical data node's skips, like on an overflow,
         # and is re-synced; step()/skip_step() update the scale (halved on a skip)
         finite = finite and loss_scales_agree(records, runtime.loss_scale)
@@ -179,6 +188,8 @@ class IterationCommit:
                 self.log.warning("non-finite gradient norm at iteration %d; stage %d skips this step", it, node.stage)
                 runtime.skip_step()
             else:
+                if averaged:
+                    self.screen.accepted(mine.sq)
                 runtime.scale_grads(coef)
                 runtime.step()
             node.stage_state.state_iteration = it
@@ -196,6 +207,15 @@ class IterationCommit:
             microbatch_s=t_mb - t0, averaging_s=t_avg - t_mb, norm_exchange_s=t_norm - t_avg,
             step_s=time.perf_counter() - t_norm, dropped=dropped, retried=st.retried,
             resynced=source is not None, compute_overrun_s=behind[0], late_frames_s=behind[1])
+
+    def _blame_reports(self, it: int, excluded: Mapping[str, str]) -> None:
+        """Count the members whose norm reports were left out as faulty (banned after a few)."""
+        for peer, why in sorted(excluded.items()):
+            self.excluded_reports += 1
+            if peer == self.node.peer_id:
+                self.log.warning("our norm report of iteration %d was left out (%s); skipping our step", it, why)
+            else:
+                self.node.health.fault(peer, f"norm report of iteration {it}: {why}")
 
     # ------------------------------------------------------------------ averaging
     def prepare_averaging(self) -> None:
@@ -232,14 +252,35 @@ class IterationCommit:
             records = {p: r.to_dict() for p, r in known.items()}
             return groupmates_went_on(node.peer_id, group, records, epoch, node.health.is_alive)
 
+        runtime = node.runtime
+        if node.faults:  # rehearsing a bad member: a poisoned contribution
+            rule = node.faults.corruption(it, "average")
+            if rule is not None:
+                await node.pipeline.compute(lambda: [g.copy_(node.faults.corrupt_value(rule, g))
+                                                     for g in runtime.grads() if g is not None])
+        bound = self.screen.bound(await node.pipeline.compute(runtime.grad_squared_norm))
         t0 = time.monotonic()
-        ok = await node.averager.average(node.runtime.grads(), weight=float(node.runtime.visits),
-                                         abandon_when=groupmates_gone_on)
+        ok = await node.averager.average(runtime.grads(), weight=float(runtime.visits),
+                                         abandon_when=groupmates_gone_on, max_norm=bound)
         await self._pad_averaging(live, time.monotonic() - t0)
-        if not ok:
+        if not ok and node.averager.last_outlier is not None:
+            self._blame_average(it, live, node.averager.last_outlier, bound)
+        elif not ok:
             self.log.warning("stage %d averaging failed; stepping with the local mean gradient (replicas are "
                              "re-synced by checksum next iteration)", node.stage)
         return ok
+
+    def _blame_average(self, it: int, live, norm: float, bound: Optional[float]) -> None:
+        """An averaged gradient far above our own: with one groupmate, it sent the poison (banned now);
+        with more, the culprit cannot be named and each honest replica keeps its own gradient."""
+        node = self.node
+        self.averaging_outliers += 1
+        others = [p for p in live if p != node.peer_id]
+        self.log.warning("stage %d averaging of iteration %d gave a gradient of norm %.3g (bound %.3g); stepping "
+                         "with the local mean gradient", node.stage, it, norm, bound or math.nan)
+        if len(others) == 1:
+            node.health.fault(others[0], f"its averaging contribution of iteration {it} made the mean {norm:.3g} "
+                                         f"(bound {bound:.3g})", ban_now=True)
 
     def emulated_allreduce_s(self, group) -> float:
         """Seconds the all-reduce of our gradients among ``group`` takes on the emulated links (the
@@ -364,7 +405,9 @@ class IterationCommit:
     # ------------------------------------------------------------------ resync
     def _resync_source(self, records: Mapping[str, NormRecord], mine: float) -> Optional[str]:
         node = self.node
-        source = resync_source({p: (r.stage, r.checksum) for p, r in records.items()}, mine, node.stage,
+        # a replica this node banned or caught misbehaving (a poisoned round, a lying report) is no source
+        source = resync_source({p: (r.stage, r.checksum) for p, r in records.items()
+                                if p == node.peer_id or node.health.trusted(p)}, mine, node.stage,
                                node.peer_id, self.cfg.resync_tolerance)
         if source is not None:
             self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g); re-syncing",

@@ -16,9 +16,15 @@ from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 
 from node.train.common import NodeLog
 
-__all__ = ["PeerHealth", "gone_peers"]
+__all__ = ["PeerHealth", "gone_peers", "FAULTS_BEFORE_BAN"]
 
 logger = logging.getLogger(__name__)
+
+#: Faults of a member (a poisoned frame it sent us, a norm report far outside the others') this
+#: node tolerates before it bans the member like a dead one. More than one: a single odd value may be
+#: a fluke of an honest member (a loss spike at a boundary of the statistics); three in a row is a
+#: pattern, and each costs at most one microbatch or one member's share of one norm exchange.
+FAULTS_BEFORE_BAN = 3
 
 
 def gone_peers(peers, is_alive: Callable[[str], bool], absent_since: Dict[str, float], now: float,
@@ -55,6 +61,9 @@ class PeerHealth:
         self.log = NodeLog(logger, node_name)
         self._bans: Dict[str, Tuple[float, float]] = {}  # peer -> (banned until, current back-off)
         self._absent_since: Dict[str, float] = {}  # peer -> when this node first saw it out of the view
+        self._faults: Dict[str, int] = {}  # peer -> faults counted since its last ban
+        #: faults counted per peer over the whole run (what the training RPC shows)
+        self.faults_total: Dict[str, int] = {}
 
     def is_alive(self, peer: str) -> bool:
         if peer == self.peer_id:
@@ -80,6 +89,29 @@ class PeerHealth:
         if self.metrics is not None:
             with contextlib.suppress(Exception):  # metrics never break training
                 self.metrics.count_failure("suspect")
+
+    def fault(self, peer: str, why: str, *, ban_now: bool = False) -> bool:
+        """Count one misbehaviour of ``peer`` (poison it sent, a lying report); the
+        :data:`FAULTS_BEFORE_BAN`-th since its last ban (or ``ban_now``) bans it. True if it was banned."""
+        if peer == self.peer_id:
+            return False
+        self.faults_total[peer] = self.faults_total.get(peer, 0) + 1
+        n = self._faults[peer] = self._faults.get(peer, 0) + 1
+        if n < FAULTS_BEFORE_BAN and not ban_now:
+            self.log.warning("fault %d/%d of %s: %s", n, FAULTS_BEFORE_BAN, peer[-8:], why)
+            return False
+        self._faults[peer] = 0
+        self.suspect(peer, f"fault: {why}")
+        return True
+
+    def trusted(self, peer: str) -> bool:
+        """Neither banned now nor ever caught misbehaving: a peer whose state may be copied."""
+        return not self.suspected(peer) and not self.faults_total.get(peer)
+
+    def suspects(self) -> Set[str]:
+        """The peers banned right now."""
+        now = time.monotonic()
+        return {p for p, (until, _) in self._bans.items() if until > now}
 
     def gone(self, peers: Iterable[str], now: float, grace_s: float) -> Set[str]:
         """The ``peers`` out of the view for ``grace_s`` or longer (see :func:`gone_peers`)."""

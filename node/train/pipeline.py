@@ -229,6 +229,11 @@ class MicrobatchPipeline:
         node.kill()
         raise NodeKilled(f"{node.node_name} killed by fault injection")
 
+    def _tampered(self, iteration: int, target: str, tensor):
+        """``tensor`` as a ``corrupt`` fault-injection rule makes it (rehearsing a bad member); as is without one."""
+        faults = self.node.faults
+        return faults.tamper(iteration, target, tensor) if faults else tensor
+
     async def compute(self, fn, *args):
         """Run ``fn`` on the one compute thread (torch work never blocks the event loop)."""
         def run():
@@ -266,8 +271,8 @@ class MicrobatchPipeline:
         key = mb_key(msg.mb)
         assert node.runtime is not None
         ready = self._job_ready_at
-        frame = await self.compute(
-            lambda: TensorFrame.from_tensor(node.runtime.forward(key, msg.tensor.to_tensor(), ready_at=ready)))
+        frame = await self.compute(lambda: TensorFrame.from_tensor(self._tampered(
+            msg.mb.iteration, "activations", node.runtime.forward(key, msg.tensor.to_tensor(), ready_at=ready))))
         self.spawn(node.recovery.send_forward(ActivationMessage(msg.mb, msg.hop + 1, msg.route, frame)))
 
     async def _do_loss(self, msg) -> None:
@@ -302,8 +307,8 @@ class MicrobatchPipeline:
         assert node.runtime is not None
         ready = self._job_ready_at
         if msg.hop > 0:
-            frame = await self.compute(
-                lambda: TensorFrame.from_tensor(node.runtime.backward(key, msg.tensor.to_tensor(), ready_at=ready)))
+            frame = await self.compute(lambda: TensorFrame.from_tensor(self._tampered(
+                msg.mb.iteration, "gradients", node.runtime.backward(key, msg.tensor.to_tensor(), ready_at=ready))))
             self.spawn(node.recovery.send_backward(GradientMessage(msg.mb, msg.hop - 1, msg.route, frame)))
             return
         # back at the data node: backward through stage 0, the microbatch is complete

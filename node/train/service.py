@@ -30,6 +30,7 @@ from node.net.records import rejected_counts
 from node.train.agreement import RunAgreement, training_summary
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
+from node.train.screening import screening_summary
 
 __all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
 
@@ -357,6 +358,10 @@ class TrainerService:
                                  if self.daemon is not None and getattr(self.daemon, "dht", None) is not None else {}),
             # why a join (or the start) cannot proceed yet, while it waits and retries
             "waiting_reason": self.waiting_reason or (self.agreement.waiting if self.agreement is not None else None),
+            # a bad member as this node saw it: refused frames by reason, faults counted per member,
+            # members banned now, norm reports left out, averaged results refused; and for rehearsals
+            # (--inject corrupt@...) how often this node's own rules are still to fire
+            "screening": screening_summary(t) if t is not None else None,
             "history": history,
         }
 

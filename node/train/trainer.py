@@ -45,6 +45,7 @@ from node.train.model import build_stage
 from node.train.pipeline import MicrobatchPipeline
 from node.train.recovery import RouteRecovery
 from node.train.runtime import StageRuntime
+from node.train.screening import on_rejected_frame
 from node.train.state import StageState
 from node.train.timing import deadline_links, measure_forward_s
 
@@ -243,7 +244,8 @@ class TrainerNode:
             kwargs["guard"] = guard
         self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self.pipeline.on_message,
                                    emulator=getattr(self.emulation, "link_emulator", None),
-                                   wire=self.cfg.wire, **kwargs)  # the run's codec for hop tensors
+                                   wire=self.cfg.wire,  # the run's codec for hop tensors
+                                   on_rejected=lambda *a: on_rejected_frame(self, *a), **kwargs)
         await self.dataplane.start()
 
     def _make_guard(self):
