@@ -28,6 +28,7 @@ import pytest
 from node.net.rpc import call_http
 from node.testing.process_swarm import ProcessSwarm, training_state
 from node.train.data import DataConfig
+from node.train.epochs import parse_schedule, routes_for
 from node.train.model import ModelConfig
 from node.train.reference import ReferenceTrainer
 from node.train.runtime import OptimConfig
@@ -37,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ITERATIONS = 40
 ATTACKER = 2
-HONEST_REPLICA, DATA_NODE, LAST_STAGE = 1, 0, 3
+DATA_NODE, HONEST_REPLICA, LAST_STAGE = 0, 1, 3
 FIRST_ATTACK = 4
 #: The bad member's rules, in the order they fire (rules of one target fire one after the other).
 ATTACKS = [
@@ -55,7 +56,9 @@ LOSS_TOLERANCE = 0.05
 
 
 def _args(i: int) -> list:
-    extra = ["--ban", "1", "--node-name", f"node{i}"]
+    # the random policy uses the least used replica of a stage, so both stage-1 replicas get work (the
+    # cost-driven one may route every microbatch through one: a member without work has nothing to poison)
+    extra = ["--schedule-policy", "random", "--ban", "1", "--node-name", f"node{i}"]
     if i == ATTACKER:
         for spec in ATTACKS:
             extra += ["--inject", spec]
@@ -73,6 +76,9 @@ def test_a_bad_member_is_caught_and_the_loss_stays_honest(tmp_path, splits):
     finally:
         swarm.stop()
     attacker = states[ATTACKER]
+    plan, bad = parse_schedule(sched["schedule"]), attacker["peer_id"]
+    routes = [r for d in plan.data_nodes for r in routes_for(plan, d)]
+    assert any(sched["members"].index(bad) in r for r in routes), f"the schedule gave the member no work: {routes}"
     assert attacker["screening"]["injected_pending"] == 0, f"attacks that never fired: {attacker['screening']}"
     # every node trained every iteration, on finite numbers
     for i in range(4):
@@ -87,16 +93,19 @@ def test_a_bad_member_is_caught_and_the_loss_stays_honest(tmp_path, splits):
                            DataConfig(**states[DATA_NODE]["data"]), splits, sched["schedule"], seed=0)
     honest = [ref.train_iteration() for _ in range(ITERATIONS)]
     swarm_loss = [h["loss"] for h in history]
+    worst = max(abs(swarm_loss[it] - honest[it]) / honest[it] for it in range(FIRST_ATTACK, ITERATIONS))
+    print(f"worst relative loss difference to the honest run from iteration {FIRST_ATTACK} on: {worst:.4f}")
     off = [(it, round(swarm_loss[it], 4), round(honest[it], 4)) for it in range(FIRST_ATTACK, ITERATIONS)
            if abs(swarm_loss[it] - honest[it]) > LOSS_TOLERANCE * honest[it]]
     assert not off, f"iterations whose loss is more than 5% off an honest run's (it, swarm, honest): {off}"
-    bad = attacker["peer_id"]
     screens = {i: states[i]["screening"] for i in range(4)}
     # caught where each attack lands
     assert screens[HONEST_REPLICA]["averaging_outliers"] >= 1, screens[HONEST_REPLICA]
-    assert screens[LAST_STAGE]["rejected_frames"].get("non_finite", 0) >= 1, screens[LAST_STAGE]
-    assert screens[LAST_STAGE]["rejected_frames"].get("out_of_range", 0) >= 1, screens[LAST_STAGE]
-    assert screens[DATA_NODE]["rejected_frames"].get("out_of_range", 0) >= 1, screens[DATA_NODE]
+    # the member's activations go to stage 2 or, on a reordered path, to the data node; its gradients
+    # to the data node or stage 2: the NaN is refused as non-finite, 1e30 and x -1e6 as out of range
+    refused = {reason: sum(screens[i]["rejected_frames"].get(reason, 0) for i in (DATA_NODE, LAST_STAGE))
+               for reason in ("non_finite", "out_of_range")}
+    assert refused["non_finite"] >= 1 and refused["out_of_range"] >= 2, refused
     for i in (DATA_NODE, HONEST_REPLICA, LAST_STAGE):
         assert screens[i]["excluded_reports"] >= 4, (i, screens[i])
         assert screens[i]["faults"].get(bad, 0) >= 4, (i, screens[i])  # counted as that member's faults
