@@ -34,7 +34,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Deque, Dict, List, Mapping, Optional, Tuple
 
-from node.dataplane.guard import CONTENT_FAULTS
+from node.dataplane.guard import CONTENT_FAULTS, NON_FINITE
 from node.train.common import mb_key
 
 if TYPE_CHECKING:
@@ -57,6 +57,10 @@ MIN_OTHER_REPORTS = 2
 #: average different numbers of microbatches (a noise-dominated mean shrinks as 1/sqrt(visits): 1
 #: visit next to 64 is 8x). A contribution scaled by 1000 gives ~500x.
 AVERAGED_NORM_FACTOR = 10.0
+#: Wire formats in which an honest member's hop tensor can arrive non-finite: fp16 tops out at 65504,
+#: and an fp16-precision boundary gradient is multiplied by the loss scale (2^16 at start) before it
+#: is sent. There a non-finite frame is refused but blamed on nobody.
+HONEST_OVERFLOW_WIRES = frozenset({"fp16"})
 #: Averaged norms remembered for that bound (iterations).
 AVERAGED_HISTORY = 16
 
@@ -141,6 +145,8 @@ def on_rejected_frame(node: "TrainerNode", msg: object, sender: str, reason: str
         return
     if node.killed or node.closed or sender not in node.members or msg.mb.run_id != node.cfg.run_id:
         return  # an outsider's garbage is the allowlist's and the guard's business, not a route's
+    if reason == NON_FINITE and node.cfg.wire in HONEST_OVERFLOW_WIRES:
+        return  # an honest fp16 overflow looks the same: that microbatch is lost, its sender not blamed
     forward = isinstance(msg, ActivationMessage)
     kind = "activation" if forward else "gradient"
     node.health.fault(sender, f"{reason} {kind}: {detail}")

@@ -93,10 +93,16 @@ def test_a_bad_member_is_caught_and_the_loss_stays_honest(tmp_path, splits):
                            DataConfig(**states[DATA_NODE]["data"]), splits, sched["schedule"], seed=0)
     honest = [ref.train_iteration() for _ in range(ITERATIONS)]
     swarm_loss = [h["loss"] for h in history]
-    worst = max(abs(swarm_loss[it] - honest[it]) / honest[it] for it in range(FIRST_ATTACK, ITERATIONS))
-    print(f"worst relative loss difference to the honest run from iteration {FIRST_ATTACK} on: {worst:.4f}")
-    off = [(it, round(swarm_loss[it], 4), round(honest[it], 4)) for it in range(FIRST_ATTACK, ITERATIONS)
-           if abs(swarm_loss[it] - honest[it]) > LOSS_TOLERANCE * honest[it]]
+    # an iteration that dropped a microbatch reports the loss of the others: another sample of the
+    # batch, not another model, so it is not compared (its loss is finite, checked above)
+    compared = [it for it in range(FIRST_ATTACK, ITERATIONS) if not history[it]["dropped"]]
+    diffs = {it: abs(swarm_loss[it] - honest[it]) / honest[it] for it in compared}
+    worst = max(diffs, key=diffs.get)
+    print(f"loss vs an honest run from iteration {FIRST_ATTACK} on ({len(compared)} iterations compared): worst "
+          f"{diffs[worst]:.4f} at iteration {worst}; last {diffs.get(ITERATIONS - 1, math.nan):.4f}")
+    assert len(compared) >= ITERATIONS - FIRST_ATTACK - MAX_LOST_MICROBATCHES
+    off = [(it, round(swarm_loss[it], 4), round(honest[it], 4)) for it in compared
+           if diffs[it] > LOSS_TOLERANCE]
     assert not off, f"iterations whose loss is more than 5% off an honest run's (it, swarm, honest): {off}"
     screens = {i: states[i]["screening"] for i in range(4)}
     # caught where each attack lands
