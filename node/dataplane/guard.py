@@ -10,6 +10,9 @@ the route, a copy of a frame that was already processed (a replay would run the 
 twice), an ``IterationDone`` in another data node's name (it would end an iteration early), or a
 tensor in a dtype or wire codec this run does not send (``--wire``: every member of a run sends
 its activations and gradients as float32 tensors under the one codec of the run's wire format).
+A member can also send finite tensors far larger than anything honest (1e30, gradients x -1e6):
+the last rule refuses a member's activation or gradient whose magnitude is far outside what this node
+received of that kind lately (``out_of_range``, :mod:`node.dataplane.magnitude`).
 :class:`MicrobatchGuard` rejects each of those with a short reason code (counted and logged by
 :class:`node.dataplane.transport.DataPlane`), so none of them reaches the trainer's queues.
 
