@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from node.net.records import NormRecord
     from node.train.trainer import TrainerNode
 
-__all__ = ["NormVerdict", "robust_squared_norm", "AveragingScreen", "on_rejected_frame", "screening_summary", "ABSURD_SQ_FACTOR",
-           "MIN_OTHER_REPORTS", "AVERAGED_NORM_FACTOR", "AVERAGED_HISTORY"]
+__all__ = ["NormVerdict", "robust_squared_norm", "AveragingScreen", "on_rejected_frame", "screening_summary",
+           "ABSURD_SQ_FACTOR", "MIN_OTHER_REPORTS", "AVERAGED_NORM_FACTOR", "AVERAGED_HISTORY", "HONEST_OVERFLOW_WIRES"]
 
 #: A report's squared norm may be at most this many times the median of the other members' reports
 #: (1e6 in squared norm = 1000x in norm). Stages of one model differ in gradient norm by a few times,

@@ -90,7 +90,7 @@ def test_direct_reports_end_the_barrier_without_reading_the_dht(dht):
     assert [w[:2] for w in dht.writes] == [(5, ME)]  # the DHT record is still written
     assert sorted(p for p, _ in node.sent) == [A, B]
     assert all(record_of_report(m) == mine and m.iteration == 5 for _, m in node.sent)
-    assert global_squared_norm(got) == 1.0 + 4.0  # stage 1: the lowest peer id's
+    assert global_squared_norm(got) == 1.0 + 4.0  # stage 1: the lower median of its reports
     assert c._reports == {}  # forgotten once the iteration is through
 
 
