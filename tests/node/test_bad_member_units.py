@@ -132,3 +132,22 @@ def test_a_members_poisoned_hop_is_its_fault_and_fails_the_microbatch_at_once():
     fp16 = _FakeNode(wire="fp16")
     on_rejected_frame(fp16, _act(4, torch.zeros(SHAPE)), UP, "non_finite", "")
     assert len(node.sent) == 2 and not fp16.sent and not fp16.health.faults_total
+
+
+def test_corrupt_rules_fire_in_order_and_a_bad_spec_is_one_user_error():
+    import pytest
+
+    from node.errors import UserError
+    from node.testing.faults import FaultInjector, parse_fault
+
+    faults = FaultInjector([parse_fault("corrupt@iteration=5,target=norm,fill=nan,times=2"),
+                            parse_fault("corrupt@iteration=5,target=norm,fill=1e30"),
+                            parse_fault("corrupt@iteration=3,target=gradients,scale=-1e6")])
+    got = [faults.tamper(it, "norm", 1.0) for it in range(4, 9)]
+    assert got[0] == 1.0 and math.isnan(got[1]) and math.isnan(got[2]) and got[3] == 1e30 and got[4] == 1.0
+    assert faults.tamper(3, "gradients", torch.ones(2)).tolist() == [-1e6, -1e6]
+    assert faults.pending == 0 and faults.take(5, 1, "forward", 0) is None  # never a drop/delay/kill
+    for spec in ("corrupt@iteration=1,target=weights,fill=1", "corrupt@iteration=1,target=norm",
+                 "corrupt@iteration=1,target=norm,fill=1,scale=2", "corrupt@iteration=1,target=norm,fill=x"):
+        with pytest.raises(UserError):
+            parse_fault(spec)
