@@ -48,6 +48,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, Optional, Tuple
@@ -155,6 +156,10 @@ class DataPlane:
         self._started = False
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: activation and gradient frames sent: their tensors' payload bytes (codec scales included,
+        #: envelope not) and elements; the ratio is the wire format's real cost per element
+        self.hop_payload_bytes_sent = 0
+        self.hop_elements_sent = 0
         self.limiter: Optional[PeerRateLimiter] = (
             None if frame_rate_per_s is None else PeerRateLimiter(frame_rate_per_s, frame_burst))
         guard_cap = getattr(guard, "max_frame_bytes", None)
@@ -359,6 +364,9 @@ class DataPlane:
                             hivemind.p2p.PeerID.from_base58(peer), self.name)
                     await hivemind.p2p.P2P.send_raw_data(data, out.writer)
                     self.bytes_sent += len(data)
+                    if isinstance(msg, (ActivationMessage, GradientMessage)):
+                        self.hop_payload_bytes_sent += len(msg.tensor.data)
+                        self.hop_elements_sent += math.prod(msg.tensor.shape)
                     self._record_hop(peer, msg, len(data), "out", time.monotonic() - t0)
                     return
                 except Exception as e:
