@@ -56,6 +56,10 @@ OVERRIDDEN="fastecdsa==2.3.2"
 # published only as sdists (pure Python): built into wheels here
 SDIST_ONLY="prefetch_generator python-baseconv varint"
 
+if ! "$PY" -c 'import importlib.metadata as m; m.version("hivemind"); m.version("libp2p")' 2>/dev/null; then
+    echo "error: $PY has no hivemind or libp2p installed; set PYTHON to an interpreter that has both" >&2
+    exit 1
+fi
 PACKAGES=$("$PY" - "$GPU_HAS" "$CARRIED_ANYWAY" "$PYVER" <<'PYEOF'
 import importlib.metadata as m, re, sys
 from packaging.requirements import Requirement
@@ -127,7 +131,7 @@ PYEOF
 TOP=$("$PY" -c 'import importlib.metadata as m; print(*(f"{n}=={m.version(n)}" for n in ("hivemind", "libp2p")))')
 TOP="$TOP protobuf>=5.29.3 grpcio"
 # shellcheck disable=SC2086
-"$PY" -m pip install --disable-pip-version-check --dry-run --ignore-installed --no-index --find-links "$DIR" \
+"$PY" -m pip install --isolated --disable-pip-version-check --dry-run --ignore-installed --no-index --find-links "$DIR" \
     --find-links "$WORK/present" "${TARGET[@]}" --target "$WORK/target" $TOP \
     | grep -E "^Would install" | fold -s -w 120
 echo "offline resolution for cp$PYVER manylinux x86_64: ok ($TOP)"
