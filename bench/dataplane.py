@@ -84,7 +84,7 @@ class _Split:
 
 
 SPLIT = _Split()
-_real_encode = dataplane_module.encode
+_real_encode = dataplane_module.encode_parts
 _real_decode = dataplane_module.decode
 
 
@@ -102,7 +102,7 @@ def _timed_decode(data, **kw):
     return msg
 
 
-dataplane_module.encode = _timed_encode
+dataplane_module.encode_parts = _timed_encode
 dataplane_module.decode = _timed_decode
 
 

@@ -8,8 +8,13 @@
 #
 # The GPU machine has torch, numpy, msgpack, uvloop and prometheus-client but no hivemind/libp2p, corpora or
 # network: the tokens are synthetic, and the swarm part needs the wheels of scripts/gpu_wheels.sh, carried
-# along (`run(command="bash bench/gpu.sh", carry=[".gpu-wheels"], timeout_s=600)`). Without them the swarm
-# configurations are recorded as skipped and the reference figures are still measured.
+# along (`run(command="bash bench/gpu.sh", carry=[".gpu-wheels"], timeout_s=600)`). Without a wheel
+# directory only the single-process reference is measured (it needs neither hivemind nor libp2p); with
+# one whose hivemind still cannot be imported, the script stops with the import error.
+# Exit status: 0 only if every requested configuration was measured; 1 if any failed (bench/gpu_bench.py
+# names each and why, after writing what it did measure).
+# Rehearsed on CPU in an environment built like the GPU machine's: scripts/gpu_rehearsal.sh
+# (bench/results/gpu/rehearsal.txt).
 #
 # Usage: bash bench/gpu.sh [extra bench/gpu_bench.py flags]   e.g. --models small --budget-s 300
 #        bash bench/gpu.sh --dry-run                            CPU, tiny model: what tests/training/test_gpu_bench.py runs
@@ -20,6 +25,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.gpu-wheels}
 SITE=${SITE:-.gpu-site}
+[[ "$SITE" = /* ]] || SITE="$PWD/$SITE"
 OUT=${OUT:-bench/results/gpu}
 BUDGET_S=${BUDGET_S:-540}
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1 && [ ! -d "$SITE/hivemind" ]; then
@@ -30,11 +36,19 @@ if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1 && [ ! -d "$SITE/hivem
     fi
     chmod +x "$SITE"/hivemind/hivemind_cli/p2pd 2>/dev/null || true
 fi
-export PYTHONPATH="$PWD/$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# the machine's own protobuf/grpcio (the carried ones, first on PYTHONPATH, shadow them)
+"$PY" -m pip show protobuf grpcio 2>/dev/null | grep -E '^(Name|Version):' | paste - - || true
+"$PY" -c 'import google.protobuf as p; print("protobuf in use:", p.__version__, p.__file__)' 2>/dev/null || true
 SWARM=()
 if ! "$PY" -c 'import node.compat, hivemind' 2>/dev/null; then
-    echo "hivemind is not importable here: measuring the single-process reference only (bring the wheels: scripts/gpu_wheels.sh)"
+    if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        echo "error: the wheels of $WHEELS are installed in $SITE, but hivemind cannot be imported:" >&2
+        "$PY" -c 'import node.compat, hivemind' 2>&1 | tail -3 >&2
+        exit 1
+    fi
+    echo "no wheels in $WHEELS: measuring the single-process reference only (bring them: scripts/gpu_wheels.sh)"
     SWARM=(--no-swarm)
 fi
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "no cuda",

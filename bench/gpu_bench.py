@@ -14,13 +14,20 @@ Measures, for each model (default ``small`` and ``500m``):
   ``fp32``, ``bf16`` and ``int8`` wire formats (compute precision: ``--precision``, default bf16 on a
   GPU that supports it): tokens/s, data-plane bytes per token (activations, gradients and control
   frames as sent by every node's DataPlane; the replicas' all-reduce goes through hivemind and is not
-  in this figure) and the per-iteration phase times of node 0 (microbatches, averaging, norm
+  in this figure), the wire's real cost per activation/gradient element (``hop_bytes_per_element``:
+  tensor payload bytes, codec scales included, over the elements the frames carried) and the per-iteration phase times of node 0 (microbatches, averaging, norm
   exchange, step).
 
 No corpus is needed: the tokens are uniformly random ids (throughput does not depend on them).
 Each configuration's result is written to ``OUT/<model>-<kind>-<variant>.json`` as soon as it is
 measured, a configuration that no longer fits in ``--budget-s`` is recorded as skipped, and the
-table is printed at the end (also ``OUT/summary.json``).
+table is printed at the end (also ``OUT/summary.json``). A configuration that raises is recorded as
+failed (with its traceback on stderr) and the others still run, but the exit status is then 1 and
+the last lines name every failed configuration and why: a GPU run in which everything crashed
+must not look like a success. An unknown model, wire format or precision is an ``error:`` line.
+
+The reference needs neither hivemind nor libp2p (``node.train.reference`` imports neither), so its
+figures are measured on a machine that has only torch.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import os
 import pathlib
 import sys
 import time
+import traceback
 from typing import List, Optional, Sequence
 
 _HERE = pathlib.Path(__file__).resolve().parent
@@ -115,11 +123,16 @@ async def _swarm(model: str, precision: str, wire: str, device: str, iterations:
     async with InProcessSwarm(schedule, cfg, splits) as swarm:
         startup_s = time.perf_counter() - t_start
         await swarm.train(warmup)
-        sent0 = sum(n.dataplane.bytes_sent for n in swarm.nodes if n.dataplane is not None)
+        planes = [n.dataplane for n in swarm.nodes if n.dataplane is not None]
+        sent0 = sum(p.bytes_sent for p in planes)
+        hop0 = (sum(p.hop_payload_bytes_sent for p in planes), sum(p.hop_elements_sent for p in planes))
         t0 = time.perf_counter()
         await swarm.train(warmup + iterations)
         seconds = time.perf_counter() - t0
-        sent = sum(n.dataplane.bytes_sent for n in swarm.nodes if n.dataplane is not None) - sent0
+        planes = [n.dataplane for n in swarm.nodes if n.dataplane is not None]
+        sent = sum(p.bytes_sent for p in planes) - sent0
+        hop_bytes = sum(p.hop_payload_bytes_sent for p in planes) - hop0[0]
+        hop_elements = sum(p.hop_elements_sent for p in planes) - hop0[1]
         hist = [s for s in swarm.nodes[0].history if s.iteration >= warmup]
         n_nodes = len(swarm.nodes)
     tokens = sum(s.tokens for s in hist)
@@ -132,6 +145,7 @@ async def _swarm(model: str, precision: str, wire: str, device: str, iterations:
             "seq_len": data.seq_len, "iterations": len(hist), "tokens": tokens, "seconds": seconds,
             "startup_s": startup_s, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "dataplane_bytes": sent, "bytes_per_token": sent / tokens if tokens else None,
+            "hop_bytes_per_element": hop_bytes / hop_elements if hop_elements else None,
             "phases_s": {k: mean(k) for k in ("seconds", "microbatch_s", "averaging_s", "norm_exchange_s", "step_s")},
             "final_loss": hist[-1].loss if hist else None,
             "averaging_compression": cfg.averaging.compression}
@@ -145,13 +159,15 @@ def bench_swarm(model: str, precision: str, wire: str, device: str, iterations: 
 
 
 def _row(r: dict) -> str:
-    if r.get("skipped"):
-        return f"{r['model']:5s} {r['kind']:9s} {r.get('variant', ''):12s} skipped: {r['skipped']}"
+    if r.get("skipped") or r.get("failed"):
+        state = "FAILED" if r.get("failed") else "skipped"
+        return f"{r['model']:5s} {r['kind']:9s} {r.get('variant', ''):12s} {state}: {r.get('failed') or r['skipped']}"
     variant = r["precision"] if r["kind"] == "reference" else f"{r['precision']}/{r['wire']}"
     extra = ""
     if r["kind"] == "swarm":
         ph = r["phases_s"]
-        extra = (f"  {r['bytes_per_token']:9.0f} B/tok  it {ph['seconds']:.2f}s = mb {ph['microbatch_s']:.2f} "
+        extra = (f"  {r['bytes_per_token']:9.0f} B/tok {r['hop_bytes_per_element'] or 0:5.2f} B/el"
+                 f"  it {ph['seconds']:.2f}s = mb {ph['microbatch_s']:.2f} "
                  f"+ avg {ph['averaging_s']:.2f} + norm {ph['norm_exchange_s']:.2f} + step {ph['step_s']:.2f}")
     return f"{r['model']:5s} {r['kind']:9s} {variant:12s} {r['tokens_per_s']:10.0f} tok/s{extra}"
 
@@ -159,7 +175,8 @@ def _row(r: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="torch device (default cuda)")
-    p.add_argument("--models", default="small,500m", help="comma-separated model sizes (default small,500m)")
+    p.add_argument("--models", default=None,
+                   help="comma-separated model sizes (default small,500m; tiny with --dry-run)")
     p.add_argument("--precision", default="auto", help="swarm compute precision (default: bf16 on a GPU, else fp32)")
     p.add_argument("--wires", default="fp32,bf16,int8", help="swarm wire formats (default fp32,bf16,int8)")
     p.add_argument("--ref-precisions", default="fp32,bf16")
@@ -174,15 +191,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="CPU, tiny model, 2 iterations, seq 32: checks the script where there is no GPU")
     args = p.parse_args(argv)
     if args.dry_run:
-        args.device, args.models, args.seq_len = "cpu", "tiny", args.seq_len or 32
+        args.device, args.models, args.seq_len = "cpu", args.models or "tiny", args.seq_len or 32
         args.ref_iterations, args.swarm_iterations, args.warmup = 2, 2, 1
-    from node.train.precision import resolve_device, resolve_precision
+    from node.train.precision import PRECISIONS, resolve_device, resolve_precision
+    from protocol.compression import WIRE_FORMATS
 
     try:
         device = resolve_device(args.device)
+        precision = resolve_precision(args.precision, device)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    precision = resolve_precision(args.precision, device)
+    models = _names(args.models or "small,500m", MICROBATCH, "model")
+    wires = _names(args.wires, WIRE_FORMATS, "wire format")
+    ref_precisions = _names(args.ref_precisions, PRECISIONS, "precision")
+    if not ref_precisions and (args.no_swarm or not wires):
+        raise SystemExit("error: nothing to measure (no reference precision, and no swarm wire format)")
     t_begin = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     info = {"device": device, "torch": torch.__version__, "dry_run": args.dry_run,
@@ -200,36 +223,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results.append(r)
         print(_row(r), flush=True)
 
-    models = [m for m in args.models.split(",") if m]
+    failed: List[str] = []
+
+    def run(kind: str, model: str, variant: str, name: str, measure) -> None:
+        try:
+            record(measure(), name)
+        except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others' figures
+            why = f"{type(e).__name__}: {e}"[:300]
+            record({"kind": kind, "model": model, "variant": variant, "failed": why}, name)
+            traceback.print_exc()
+            failed.append(f"{name}: {why}")
+
     for model in models:
-        for prec in [x for x in args.ref_precisions.split(",") if x]:
+        for prec in ref_precisions:
             name = f"{model}-reference-{prec}"
             if left() <= 10:
                 record({"kind": "reference", "model": model, "variant": prec, "skipped": "out of budget"}, name)
                 continue
-            try:
-                record(bench_reference(model, prec, device, args.ref_iterations, args.warmup, args.seq_len), name)
-            except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
-                record({"kind": "reference", "model": model, "variant": prec, "skipped": f"{type(e).__name__}: {e}"[:300]},
-                       name)
+            run("reference", model, prec, name,
+                lambda: bench_reference(model, prec, device, args.ref_iterations, args.warmup, args.seq_len))
     if not args.no_swarm:
         for model in models:
-            for wire in [x for x in args.wires.split(",") if x]:
+            for wire in wires:
                 name = f"{model}-swarm-{wire}"
                 if left() < (SWARM_MIN_LEFT_S if not args.dry_run else 0):
                     record({"kind": "swarm", "model": model, "variant": wire, "skipped": "out of budget"}, name)
                     continue
-                try:
-                    record(bench_swarm(model, precision, wire, device, args.swarm_iterations, args.warmup,
-                                       args.seq_len), name)
-                except Exception as e:  # noqa: BLE001
-                    record({"kind": "swarm", "model": model, "variant": wire,
-                            "skipped": f"{type(e).__name__}: {e}"[:300]}, name)
-    summary = {"host": info, "wall_s": time.perf_counter() - t_begin, "results": results}
+                run("swarm", model, wire, name, lambda: bench_swarm(model, precision, wire, device,
+                                                                   args.swarm_iterations, args.warmup, args.seq_len))
+    summary = {"host": info, "wall_s": time.perf_counter() - t_begin, "results": results, "failed": failed}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print("\n".join(["", "model kind      variant       throughput", *[_row(r) for r in results]]))
     print(f"wrote {args.out}/*.json in {summary['wall_s']:.0f}s")
+    if failed:
+        print(f"error: {len(failed)} of {len(results)} configurations failed:", *failed, sep="\n  ", file=sys.stderr)
+        return 1
     return 0
+
+
+def _names(csv: str, known, what: str) -> List[str]:
+    """The comma-separated ``csv`` as a list; a name not in ``known`` is a user error (a typo must not
+    turn into a run that measures nothing and reports success)."""
+    names = [x for x in csv.split(",") if x]
+    unknown = [x for x in names if x not in known]
+    if unknown:
+        raise SystemExit(f"error: unknown {what} {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
 
 
 if __name__ == "__main__":

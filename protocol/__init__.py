@@ -10,7 +10,7 @@ import torch either (tensor conversions import it on first use). Modules, one jo
 
 from __future__ import annotations
 
-from .codec import decode, encode
+from .codec import decode, encode, encode_parts
 from .errors import (
     FrameTooLarge,
     MalformedMessage,
@@ -43,6 +43,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "DEFAULT_MAX_BYTES",
     "encode",
+    "encode_parts",
     "decode",
     "register_message",
     "TensorFrame",

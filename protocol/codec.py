@@ -22,7 +22,7 @@ from .registry import message_class, message_spec
 from .schema import Writer, spec_for_dataclass
 from .version import PROTOCOL_VERSION
 
-__all__ = ["encode", "decode", "pack_value", "unpack_value", "ENVELOPE_KEYS"]
+__all__ = ["encode", "encode_parts", "decode", "pack_value", "unpack_value", "ENVELOPE_KEYS"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,20 @@ def encode(msg: object) -> bytes:
     :class:`MalformedMessage` (unregistered classes raise :class:`UnknownMessageType`).
     Large byte fields (tensor data) are copied into the output exactly once.
     """
+    return _write(msg).getvalue()
+
+
+def encode_parts(msg: object) -> list[bytes]:
+    """:func:`encode`'s output as consecutive parts whose concatenation is exactly ``encode(msg)``.
+
+    Large byte fields (tensor data) are parts of their own, by reference, never copied: a sender can
+    write a 32 MiB frame to a stream piece by piece without first building it in one piece.
+    """
+    out = _write(msg)
+    return [*out.chunks, out.packer.bytes()]
+
+
+def _write(msg: object) -> Writer:
     spec = message_spec(type(msg))
     out = Writer()
     packer = out.packer
@@ -103,7 +117,7 @@ def encode(msg: object) -> bytes:
         raise
     except Exception as error:  # a validate() hook tripping over a wrongly typed value, etc.
         raise MalformedMessage(f"cannot encode {spec.describe}: {type(error).__name__}: {error}") from error
-    return out.getvalue()
+    return out
 
 
 def decode(

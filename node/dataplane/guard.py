@@ -167,11 +167,13 @@ class MicrobatchGuard:
         rejection = self.inspect(msg, sender)
         return None if rejection is None else rejection.reason
 
-    def inspect(self, msg: object, sender: str) -> Optional[Rejection]:
-        """Like :meth:`check`, with a detail for the log. An accepted hop is remembered (replays)."""
+    def inspect(self, msg: object, sender: str, tensor_checked: bool = False) -> Optional[Rejection]:
+        """Like :meth:`check`, with a detail for the log. An accepted hop is remembered (replays).
+        ``tensor_checked``: the caller already ran :meth:`check_tensor` on the hop's tensor (in a worker
+        thread, for a large frame), so it is not checked again here."""
         pos = self._position()
         if isinstance(msg, (ActivationMessage, GradientMessage)):
-            return self._check_hop(msg, sender, pos)
+            return self._check_hop(msg, sender, pos, tensor_checked)
         if isinstance(msg, IterationDone):
             return self._check_done(msg, sender, pos)
         if isinstance(msg, HopFailure):
@@ -206,7 +208,13 @@ class MicrobatchGuard:
             return Rejection(FUTURE_ITERATION, f"iteration {iteration} is beyond {cur_it + 1}")
         return None
 
-    def _check_hop(self, msg, sender: str, pos: Optional[Tuple[int, int]]) -> Optional[Rejection]:
+    def check_tensor(self, frame) -> Optional[Rejection]:
+        """The rules on a hop's tensor alone (dtype, codec, shape, finiteness): they read only the frame and
+        this guard's fixed settings, so they may run in a worker thread while the loop goes on."""
+        return self._check_tensor(frame)
+
+    def _check_hop(self, msg, sender: str, pos: Optional[Tuple[int, int]],
+                   tensor_checked: bool = False) -> Optional[Rejection]:
         mb: MicrobatchId = msg.mb
         forward = isinstance(msg, ActivationMessage)
         kind = "activation" if forward else "gradient"
@@ -220,7 +228,8 @@ class MicrobatchGuard:
         expected = route[hop - 1] if forward else route[hop + 1]
         if sender != expected:
             return Rejection(WRONG_SENDER, f"{kind} hop {hop} must come from {expected[-8:]}, not the sender")
-        rejection = self._check_window(mb.epoch, mb.iteration, pos) or self._check_tensor(msg.tensor)
+        rejection = self._check_window(mb.epoch, mb.iteration, pos) or (
+            None if tensor_checked else self._check_tensor(msg.tensor))
         if rejection is not None:
             return rejection
         key = (mb.data_node, mb.epoch, mb.iteration, mb.index, mb.attempt, hop, kind)

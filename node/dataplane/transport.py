@@ -12,6 +12,14 @@ worker thread before it is encoded, so the event loop never runs the codec; the 
 decompresses it in its compute thread (``TensorFrame.to_tensor``). The receive side only decodes and hands the message to a callback
 that must not block (the trainer enqueues it), so the sender is never stalled by our compute.
 
+Nothing proportional to a large tensor runs on the event loop in one stretch (the loop also serves
+the DHT, RPCs, heartbeats and every other stream): a frame over :data:`OFF_LOOP_BYTES` is written
+from its parts (:func:`protocol.encode_parts`: the tensor by reference, never joined) and read a
+piece of at most that size at a time, yielding in between, and it is decoded and its tensor checked
+(dtype, codec, shape, finiteness: :meth:`MicrobatchGuard.check_tensor`) in a worker thread; only the
+guard's cheap rules on the envelope (route, window, replays) run on the loop. What remains is the
+decoder's one copy of the payload, in that thread, under the GIL.
+
 WAN emulation (off unless a :class:`node.dataplane.emulation.LinkEmulator` is passed): every frame is
 planned on its emulated link (latency + bytes / bandwidth, concurrent sends to one peer serialised).
 Activations and gradients are stamped with the planned delivery time and sent at once; the
@@ -48,13 +56,14 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Dict, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from node.compat import import_hivemind
 from node.net.ratelimit import PeerRateLimiter
-from protocol import ProtocolError, decode, encode
+from protocol import ProtocolError, decode, encode_parts
 from protocol.compression import NO_COMPRESSION, get_compressor, wire_compression
 from protocol.tensor import TensorFrame
 from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone, NormReport
@@ -71,6 +80,7 @@ __all__ = [
     "REJECT_LOG_EVERY",
     "MAX_STREAMS_PER_PEER",
     "MAX_EMULATED_HOLD_S",
+    "OFF_LOOP_BYTES",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,6 +108,12 @@ MAX_STREAMS_PER_PEER = 8
 #: geo-distributed profile moves a paper-sized activation in ~26 s (scaled), a queue of a few of
 #: them takes minutes at most; a stamp further out is a clock problem and is cut to this.
 MAX_EMULATED_HOLD_S = 120.0
+#: A received frame, or a sent hop's tensor payload, larger than this is decoded, checked and
+#: encoded in a worker thread instead of on the event loop. Each of those passes costs about a
+#: millisecond per MiB (25 ms each for a 32 MiB activation of the 500m model), time in which the
+#: loop would answer no heartbeat, RPC or other stream; below 1 MiB the hand-over to a thread
+#: (tens of microseconds) would cost more than it saves.
+OFF_LOOP_BYTES = 1 << 20
 #: (peer, reason) pairs whose counts are kept for log throttling; the table is reset beyond it.
 _MAX_LOG_KEYS = 4096
 #: Rejection reasons decided here (the guard adds its own, see node.dataplane.guard.REASONS).
@@ -109,6 +125,21 @@ GUARD_ERROR = "guard_error"
 TOO_MANY_STREAMS = "too_many_streams"
 
 MessageHandler = Callable[[object, str], Optional[Awaitable[None]]]
+
+
+async def _write_frame(writer: asyncio.StreamWriter, parts: List[bytes], header_len: int, byteorder: str) -> int:
+    """Write one length-prefixed frame made of ``parts`` (what ``P2P.send_raw_data`` writes for their
+    concatenation) at most :data:`OFF_LOOP_BYTES` at a time, waiting for the stream to drain in
+    between: a 32 MiB tensor is never copied in one stretch, nor joined into one ``bytes`` first."""
+    size = sum(len(p) for p in parts)
+    writer.write(size.to_bytes(header_len, byteorder))
+    for part in parts:
+        view = memoryview(part)
+        for offset in range(0, len(view), OFF_LOOP_BYTES):
+            writer.write(view[offset:offset + OFF_LOOP_BYTES])
+            await writer.drain()
+    await writer.drain()
+    return size
 
 
 def handler_name(run_id: str) -> str:
@@ -158,6 +189,10 @@ class DataPlane:
         self._started = False
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: activation and gradient frames sent: their tensors' payload bytes (codec scales included,
+        #: envelope not) and elements; the ratio is the wire format's real cost per element
+        self.hop_payload_bytes_sent = 0
+        self.hop_elements_sent = 0
         self.limiter: Optional[PeerRateLimiter] = (
             None if frame_rate_per_s is None else PeerRateLimiter(frame_rate_per_s, frame_burst))
         guard_cap = getattr(guard, "max_frame_bytes", None)
@@ -220,20 +255,39 @@ class DataPlane:
         except Exception:  # noqa: BLE001
             logger.debug("record_hop failed", exc_info=True)
 
-    def _inspect(self, msg: object, sender: str) -> Tuple[Optional[str], str]:
-        """(reason, detail) from the guard; (None, "") = accepted. A guard that raises refuses the frame."""
+    def _inspect(self, msg: object, sender: str, tensor_checked: bool = False) -> Tuple[Optional[str], str]:
+        """(reason, detail) from the guard; (None, "") = accepted. A guard that raises refuses the frame.
+        ``tensor_checked``: :meth:`_decode` already ran the guard's tensor checks (a large frame)."""
         try:
             inspect = getattr(self.guard, "inspect", None)
             if inspect is None:
                 return self.guard.check(msg, sender), type(msg).__name__
-            rejection = inspect(msg, sender)
+            rejection = inspect(msg, sender, tensor_checked=True) if tensor_checked else inspect(msg, sender)
             return (None, "") if rejection is None else (rejection.reason, rejection.detail)
         except Exception as e:  # noqa: BLE001 - a guard bug must not end the stream (nor let the frame in)
             logger.debug("data-plane guard failed", exc_info=True)
             return GUARD_ERROR, f"guard raised {e!r}"[:200]
 
+    def _decode(self, data: bytes | bytearray, check_tensor: bool) -> Tuple[Optional[object], Optional[str], str]:
+        """(message, None, "") or (None, reason, detail). With ``check_tensor`` (a large frame, in a worker
+        thread) the guard's checks of the tensor itself (dtype, codec, shape, every element finite) run
+        here too; they read nothing but the frame, unlike its other rules (replays, the iteration window),
+        which stay on the loop."""
+        try:
+            msg = decode(data, max_bytes=self.max_frame_bytes, expect=DATA_MESSAGES)
+        except ProtocolError as e:
+            return None, UNDECODABLE, str(e)[:200]
+        if check_tensor and isinstance(msg, (ActivationMessage, GradientMessage)):
+            try:
+                rejection = self.guard.check_tensor(msg.tensor)
+            except Exception as e:  # noqa: BLE001 - a guard bug must not end the stream (nor let the frame in)
+                return None, GUARD_ERROR, f"guard raised {e!r}"[:200]
+            if rejection is not None:
+                return None, rejection.reason, rejection.detail
+        return msg, None, ""
+
     async def _read_frame(self, reader: asyncio.StreamReader, header_len: int, byteorder: str,
-                          sender: str) -> Optional[bytes]:
+                          sender: str) -> Optional[bytes | bytearray]:
         """The next frame's body, or None when the stream ended or was refused (caller closes it)."""
         try:
             header = await reader.readexactly(header_len)
@@ -244,7 +298,13 @@ class DataPlane:
             self._reject(sender, OVERSIZED, f"{length} bytes > cap {self.max_frame_bytes}; closing the stream")
             return None
         try:
-            return await reader.readexactly(length)
+            if length <= OFF_LOOP_BYTES:
+                return await reader.readexactly(length)
+            body = bytearray()  # grows as the bytes arrive: a length claimed but never sent costs nothing
+            while len(body) < length:
+                body += await reader.readexactly(min(OFF_LOOP_BYTES, length - len(body)))
+                await asyncio.sleep(0)  # a frame that arrived whole is still copied a piece at a time
+            return body
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
 
@@ -276,13 +336,18 @@ class DataPlane:
                     self._reject(sender, RATE_LIMITED, f"more than {self.limiter.rate_per_s:g} frames/s "
                                                        f"(burst {self.limiter.burst:g})")
                     continue
-                try:
-                    msg = decode(data, max_bytes=self.max_frame_bytes, expect=DATA_MESSAGES)
-                except ProtocolError as e:
-                    self._reject(sender, UNDECODABLE, str(e)[:200])
+                if len(data) > OFF_LOOP_BYTES:
+                    tensor_checked = hasattr(self.guard, "check_tensor")
+                    msg, reason, detail = await asyncio.get_running_loop().run_in_executor(
+                        None, self._decode, data, tensor_checked)
+                else:
+                    tensor_checked = False
+                    msg, reason, detail = self._decode(data, False)
+                if msg is None:
+                    self._reject(sender, reason, detail)
                     continue
                 if self.guard is not None:
-                    reason, detail = self._inspect(msg, sender)
+                    reason, detail = self._inspect(msg, sender, tensor_checked)
                     if reason is not None:
                         self._reject(sender, reason, detail)
                         self._tell_rejected(msg, sender, reason, detail)
@@ -330,14 +395,15 @@ class DataPlane:
             if self._occurrence(sender, "handler_error") is not None:
                 logger.exception("data plane: handling %s from %s failed", type(msg).__name__, sender[-8:])
 
-    def _encode(self, peer: str, msg: object) -> bytes:
-        """The frame for ``msg``; a hop message to an emulated link carries its delivery time."""
-        data = encode(msg)
+    def _encode(self, peer: str, msg: object) -> List[bytes]:
+        """The frame for ``msg``, in parts (:func:`protocol.encode_parts`: the tensor's payload by reference,
+        not copied); a hop message to an emulated link carries its delivery time."""
+        parts = encode_parts(msg)
         if self.emulator is not None and isinstance(msg, (ActivationMessage, GradientMessage)):
-            when = self.emulator.deliver_at_unix(peer, len(data))
+            when = self.emulator.deliver_at_unix(peer, sum(len(p) for p in parts))
             if when is not None:
-                data = encode(dataclasses.replace(msg, deliver_at_unix=when))
-        return data
+                parts = encode_parts(dataclasses.replace(msg, deliver_at_unix=when))
+        return parts
 
     def _compress(self, msg: object) -> object:
         """``msg`` with its tensor under the run's wire codec (hop messages only; others as they are)."""
@@ -360,10 +426,10 @@ class DataPlane:
             return
         hivemind = import_hivemind()
         t0 = time.monotonic()
-        data = self._encode(peer, msg)
+        parts = self._encode(peer, msg)
         if self.emulator is not None and not isinstance(msg, (ActivationMessage, GradientMessage)):
             # control message: reserve the emulated link now (in send order), wait out its delivery, then write
-            await self.emulator.transmit(peer, len(data))
+            await self.emulator.transmit(peer, sum(len(p) for p in parts))
         out = self._out.setdefault(peer, _Outgoing())
         async with out.lock:
             for attempt in range(SEND_RETRIES + 1):
@@ -371,9 +437,13 @@ class DataPlane:
                     if out.writer is None:
                         _, _, out.writer = await self.p2p.call_binary_stream_handler(
                             hivemind.p2p.PeerID.from_base58(peer), self.name)
-                    await hivemind.p2p.P2P.send_raw_data(data, out.writer)
-                    self.bytes_sent += len(data)
-                    self._record_hop(peer, msg, len(data), "out", time.monotonic() - t0)
+                    size = await _write_frame(out.writer, parts, hivemind.p2p.P2P.HEADER_LEN,
+                                              hivemind.p2p.P2P.BYTEORDER)
+                    self.bytes_sent += size
+                    if isinstance(msg, (ActivationMessage, GradientMessage)):
+                        self.hop_payload_bytes_sent += len(msg.tensor.data)
+                        self.hop_elements_sent += math.prod(msg.tensor.shape)
+                    self._record_hop(peer, msg, size, "out", time.monotonic() - t0)
                     return
                 except Exception as e:
                     if out.writer is not None:

@@ -87,6 +87,10 @@ class NodeMetrics:
             ["reason"],
             registry=r,
         )
+        self.loop_lag = Gauge(f"{_PREFIX}_loop_lag_seconds",
+                              "How late the event loop's lag probe last woke (node.ops.looplag)", registry=r)
+        self.loop_lag_max = Gauge(f"{_PREFIX}_loop_lag_max_seconds",
+                                  "The latest the event loop's lag probe ever woke: its longest block", registry=r)
         self.info = Gauge(f"{_PREFIX}_node_info", "Constant 1, labelled with this node's peer id", ["peer_id"], registry=r)
         if peer_id:
             self.info.labels(peer_id=peer_id).set(1)
@@ -107,6 +111,11 @@ class NodeMetrics:
             self._recent.append(
                 {"iteration": int(iteration), "loss": loss, "tokens_per_s": tokens_per_s, "time": time.time()}
             )
+
+    def set_loop_lag(self, lag_s: float, max_s: float) -> None:
+        """One sample of :class:`node.ops.looplag.LoopLagProbe` (its ``on_sample``)."""
+        self.loop_lag.set(lag_s)
+        self.loop_lag_max.set(max_s)
 
     def record_hop(self, peer: str, seconds: float | None, nbytes: int, direction: str) -> None:
         """One microbatch (activation or gradient) went to (``"out"``) or came from (``"in"``) ``peer``."""

@@ -56,6 +56,7 @@ from node.net.identity import IdentityLock, NodeIdentity, load_or_create_gossip_
 from node.net.ratelimit import PeerRateLimiter
 from node.net.rpc import RpcServer
 from node.ops.join_command import join_lines_for_daemon
+from node.ops.looplag import LoopLagProbe
 from node.ops.metrics import NodeMetrics
 from node.swarm import startup
 from node.net.records import sign_records
@@ -108,6 +109,7 @@ class Daemon:
         self.dht: DHT | None = None
         self.gossip: GossipService | None = None
         self.metrics = NodeMetrics()
+        self.loop_lag = LoopLagProbe(on_sample=self.metrics.set_loop_lag)
         self.access = SwarmAccess()
         self.rpc = RpcServer(
             p2p_limiter=PeerRateLimiter(config.rpc_rate_per_s, config.rpc_burst),
@@ -338,6 +340,7 @@ class Daemon:
             asyncio.create_task(self.membership.heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self.membership.view_loop(), name="view"),
             asyncio.create_task(self.prober.loop(), name="link-probes"),
+            asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
         ]
         try:
             for service in self.services:

@@ -34,10 +34,17 @@ from typing import Awaitable, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from node.compat import import_hivemind
-
 __all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on", "AVERAGING_COMPRESSIONS",
            "averaging_compression_for_wire", "hivemind_compression"]
+
+
+def import_hivemind():
+    """hivemind, imported on first use: modules that only need :class:`AveragingConfig` (the
+    single-process reference, the GPU bench without the carried wheels) must import without it."""
+    from node.compat import import_hivemind as _import_hivemind
+
+    return _import_hivemind()
+
 
 #: ``AveragingConfig.compression`` -> the hivemind.compression class that carries the all-reduce traffic.
 #: No 8-bit entry: hivemind 1.1.12's BlockwiseQuantization needs bitsandbytes (not installed), and its

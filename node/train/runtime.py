@@ -85,8 +85,10 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> to
 
 
 def squared_norm(tensors: Iterable[torch.Tensor]) -> float:
-    """Sum of squares in float64, so the order of stages barely matters for the global norm."""
-    return float(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+    """Sum of squares in float64, so the order of stages barely matters for the global norm. Summed on
+    the tensors' device and read back once: on a GPU each read is a wait for the device."""
+    parts = [t.detach().double().pow(2).sum() for t in tensors]
+    return float(torch.stack(parts).sum()) if parts else 0.0
 
 
 def clip_coefficient(total_squared_norm: float, clip_norm: float) -> float:
@@ -315,5 +317,5 @@ class StageRuntime:
 
     def checksum(self) -> float:
         """Cheap parameter fingerprint; replicas of a stage must agree (re-sync is issue #6)."""
-        with torch.no_grad():
-            return float(sum(p.double().sum() for p in self.module.parameters()))
+        with torch.no_grad():  # summed on the device, read back once (one wait for a GPU, not one per parameter)
+            return float(torch.stack([p.double().sum() for p in self.module.parameters()]).sum())

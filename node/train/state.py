@@ -133,9 +133,10 @@ class StageState:
             return
         assert node.runtime is not None
         it = node.committed_iteration
-        state = await node.pipeline.compute(node.runtime.state_dict)
+        # the checksum reads every parameter (and on a GPU waits for it): compute thread, not the event loop
+        state, checksum = await node.pipeline.compute(lambda: (node.runtime.state_dict(), node.runtime.checksum()))
         meta = {"run_id": self.cfg.run_id, "epoch": node.epoch.epoch, "model": self.cfg.model.to_dict(),
-                "peer_id": node.peer_id, "checksum": node.runtime.checksum(),
+                "peer_id": node.peer_id, "checksum": checksum,
                 "data": dict(vars(node.cfg.data))}  # tokenizer + hash: what eval/export/generate read back
         run_config = checkpoint_run_config(self.cfg)
         await node.pipeline.compute(lambda: self.checkpoints.save(it, state, meta, run_config=run_config))

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["deadline_links", "measure_forward_s"]
+__all__ = ["deadline_links", "measure_forward_s", "synchronize"]
 
 LinkEstimate = Callable[[str, str], Optional[Tuple[float, float]]]
 
@@ -28,10 +28,21 @@ def deadline_links(emulation, measured: Optional[LinkEstimate], peer_id: str) ->
     return estimate
 
 
-def measure_forward_s(runtime, cfg, stage: int, emulation=None) -> float:
+def synchronize(device) -> None:
+    """Wait until ``device`` has finished the work queued on it. A GPU runs kernels asynchronously, so a
+    clock read right after a launch measures the launch, not the work; the CPU has nothing to wait for."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def measure_forward_s(runtime, cfg, stage: int, emulation=None, sync=synchronize) -> float:
     """Seconds of one microbatch forward through this stage (padded when compute is emulated).
 
-    ``cfg`` is the :class:`node.train.common.TrainerConfig`; the probe tensors live on the stage's device."""
+    ``cfg`` is the :class:`node.train.common.TrainerConfig`; the probe tensors live on the stage's device,
+    which is synchronized (``sync(device)``) before the clock starts and before it is read."""
     padder = getattr(emulation, "padder", None)
     if padder is not None:
         return padder.target_s("forward", cfg.data.microbatch_size, runtime.n_layers)
@@ -41,10 +52,12 @@ def measure_forward_s(runtime, cfg, stage: int, emulation=None) -> float:
     times = []
     with torch.no_grad():
         for _ in range(3):
+            sync(device)
             t0 = time.perf_counter()
             if stage == 0:
                 runtime.module.head_loss(x, torch.zeros(d.microbatch_size, d.seq_len, dtype=torch.long, device=device))
             else:
                 runtime.module(x)
+            sync(device)
             times.append(time.perf_counter() - t0)
     return sorted(times)[1]

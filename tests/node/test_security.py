@@ -168,6 +168,9 @@ def test_metrics_endpoint_reports_peers_and_epoch(swarm):
     assert m[("skippipe_peers", (("state", "OFFLINE"),))] == 0
     assert ("skippipe_iteration", ()) in m and ("skippipe_reroutes_total", ()) in m
     assert m[("skippipe_rpc_requests_total", (("outcome", "ok"), ("transport", "http")))] >= 1
+    # the event loop's lag probe runs and is exported (node.ops.looplag)
+    poll(lambda: scrape(node).get(("skippipe_loop_lag_max_seconds", ()), 0) > 0, what="a loop-lag sample")
+    assert ("skippipe_loop_lag_seconds", ()) in m
     # The dashboard page is served too (rendering is tested in a browser by test_dashboard.py).
     content_type, page = poll(lambda: http_get(node, "/"), what="the dashboard page")
     assert content_type.startswith("text/html")

@@ -11,6 +11,8 @@ run with 1 torch thread, the reference with the default count; bf16 matmuls may 
 in the last bit, which an int8 block scale can amplify to one quantization step on one element).
 """
 
+import math
+
 import pytest
 
 from node.testing.inproc_swarm import InProcessSwarm
@@ -49,3 +51,32 @@ async def test_bf16_int8_swarm_matches_the_bf16_int8_reference(splits):
     assert stats[0].loss == pytest.approx(ref_losses[0], abs=1e-3)
     assert worst <= BF16_SWARM_ABS, f"swarm parameters differ from the bf16/int8 reference by {worst}"
     assert ref_losses[-1] < ref_losses[0]
+
+
+async def test_fp16_swarm_skips_a_forced_overflow_on_every_node(splits):
+    """fp16 with its dynamic loss scale: one stage's gradient overflows in the first iteration; every
+    member, both data nodes included, skips that step (the infinite norm travels in the norm records) and
+    halves its scale, so all scales still agree, and training goes on with finite steps."""
+    iterations = 3
+    cfg = TrainerConfig(run_id="fp16-overflow", model=model_config("tiny", n_stages=3), optim=OptimConfig(lr=3e-3),
+                        data=DataConfig(microbatch_size=2, seq_len=32), precision="fp16")
+    schedule = build_schedule(3, data_nodes=2, replicas=[1, 1], path_length=3, microbatches=2, memory=2)
+    async with InProcessSwarm(schedule, cfg, splits) as swarm:
+        victim = swarm.nodes[schedule["stages"][1][0]].runtime
+        plain = victim._gradient_out
+        forced = []
+
+        def overflowing(g):  # the first gradient this stage sends back is infinite, as an fp16 overflow makes it
+            if not forced:
+                forced.append(True)
+                g = g * float("inf")
+            return plain(g)
+
+        victim._gradient_out = overflowing
+        await swarm.train(iterations)
+        data_nodes = [swarm.nodes[i] for i in schedule["stages"][0]]
+        histories = [[(s.iteration, math.isfinite(s.grad_norm)) for s in n.history] for n in data_nodes]
+        scales = {n.runtime.loss_scale for n in swarm.nodes}
+    assert forced and len(data_nodes) == 2
+    assert histories == [[(0, False), (1, True), (2, True)]] * 2, histories
+    assert scales == {2.0 ** 15}  # 2^16 halved once, on every node
