@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Dict, Hashable, Optional, Tuple
 
-from node.dataplane.magnitude import OUT_OF_RANGE, MagnitudeScreen, measure
+from node.dataplane.magnitude import OUT_OF_RANGE, Magnitude, MagnitudeScreen, measure
 from protocol import NonFiniteTensor, ProtocolError
 from protocol.compression import NO_COMPRESSION, wire_compression
 from protocol.messages import ActivationMessage, GradientMessage, HopFailure, IterationDone, MicrobatchId, NormReport
@@ -167,13 +167,15 @@ class MicrobatchGuard:
         rejection = self.inspect(msg, sender)
         return None if rejection is None else rejection.reason
 
-    def inspect(self, msg: object, sender: str, tensor_checked: bool = False) -> Optional[Rejection]:
+    def inspect(self, msg: object, sender: str, tensor_checked: bool = False,
+                measured: Optional[Magnitude] = None) -> Optional[Rejection]:
         """Like :meth:`check`, with a detail for the log. An accepted hop is remembered (replays).
         ``tensor_checked``: the caller already ran :meth:`check_tensor` on the hop's tensor (in a worker
-        thread, for a large frame), so it is not checked again here."""
+        thread, for a large frame), so it is not checked again here; ``measured``: the caller also took
+        the tensor's :meth:`measure` there, so the magnitude rule reads no tensor on the loop."""
         pos = self._position()
         if isinstance(msg, (ActivationMessage, GradientMessage)):
-            return self._check_hop(msg, sender, pos, tensor_checked)
+            return self._check_hop(msg, sender, pos, tensor_checked, measured)
         if isinstance(msg, IterationDone):
             return self._check_done(msg, sender, pos)
         if isinstance(msg, HopFailure):
@@ -213,8 +215,18 @@ class MicrobatchGuard:
         this guard's fixed settings, so they may run in a worker thread while the loop goes on."""
         return self._check_tensor(frame)
 
+    def measure(self, frame) -> Optional[Magnitude | Rejection]:
+        """The frame's magnitude for the magnitude rule (None when that rule is off), or the rejection of
+        a payload that cannot be read. Reads only the frame, so it may run in a worker thread."""
+        if self.magnitudes is None:
+            return None
+        try:
+            return measure(_frame_values(frame))
+        except (ProtocolError, ValueError, KeyError) as e:
+            return Rejection(BAD_TENSOR, str(e)[:200])
+
     def _check_hop(self, msg, sender: str, pos: Optional[Tuple[int, int]],
-                   tensor_checked: bool = False) -> Optional[Rejection]:
+                   tensor_checked: bool = False, measured: Optional[Magnitude] = None) -> Optional[Rejection]:
         mb: MicrobatchId = msg.mb
         forward = isinstance(msg, ActivationMessage)
         kind = "activation" if forward else "gradient"
@@ -241,7 +253,7 @@ class MicrobatchGuard:
         # only an accepted frame is remembered (an outsider must not pre-empt a member's frame id)
         if self.members is not None and sender not in self.members():
             return Rejection(NOT_MEMBER, f"{kind} from a peer outside the schedule")
-        rejection = self._check_magnitude(msg.tensor, kind)
+        rejection = self._check_magnitude(msg.tensor, kind, measured)
         if rejection is not None:
             return rejection
         self._remember(bucket, key)
@@ -298,16 +310,15 @@ class MicrobatchGuard:
         return None
 
     # ------------------------------------------------------------------ magnitude (a bad member)
-    def _check_magnitude(self, frame, kind: str) -> Optional[Rejection]:
+    def _check_magnitude(self, frame, kind: str, measured: Optional[Magnitude] = None) -> Optional[Rejection]:
         """Refuse a member's finite frame whose values are far outside what this node received of
         that kind lately (:mod:`node.dataplane.magnitude`). Runs last, on a frame that passed every
         other rule, so only frames of members that would otherwise be accepted shape the statistics."""
         if self.magnitudes is None:
             return None
-        try:
-            magnitude = measure(_frame_values(frame))
-        except (ProtocolError, ValueError, KeyError) as e:
-            return Rejection(BAD_TENSOR, str(e)[:200])
+        magnitude = measured if measured is not None else self.measure(frame)
+        if isinstance(magnitude, Rejection):
+            return magnitude
         why = self.magnitudes.judge(kind, magnitude)
         return None if why is None else Rejection(OUT_OF_RANGE, why)
 

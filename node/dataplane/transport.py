@@ -63,6 +63,7 @@ from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from node.compat import import_hivemind
 from node.net.ratelimit import PeerRateLimiter
+from node.dataplane.guard import Rejection
 from protocol import ProtocolError, decode, encode_parts
 from protocol.compression import NO_COMPRESSION, get_compressor, wire_compression
 from protocol.tensor import TensorFrame
@@ -255,36 +256,46 @@ class DataPlane:
         except Exception:  # noqa: BLE001
             logger.debug("record_hop failed", exc_info=True)
 
-    def _inspect(self, msg: object, sender: str, tensor_checked: bool = False) -> Tuple[Optional[str], str]:
+    def _inspect(self, msg: object, sender: str, tensor_checked: bool = False,
+                 measured: object = None) -> Tuple[Optional[str], str]:
         """(reason, detail) from the guard; (None, "") = accepted. A guard that raises refuses the frame.
-        ``tensor_checked``: :meth:`_decode` already ran the guard's tensor checks (a large frame)."""
+        ``tensor_checked``: :meth:`_decode` already ran the guard's tensor checks (a large frame), and
+        ``measured`` is the magnitude it took there."""
         try:
             inspect = getattr(self.guard, "inspect", None)
             if inspect is None:
                 return self.guard.check(msg, sender), type(msg).__name__
-            rejection = inspect(msg, sender, tensor_checked=True) if tensor_checked else inspect(msg, sender)
+            rejection = (inspect(msg, sender, tensor_checked=True, measured=measured) if tensor_checked
+                         else inspect(msg, sender))
             return (None, "") if rejection is None else (rejection.reason, rejection.detail)
         except Exception as e:  # noqa: BLE001 - a guard bug must not end the stream (nor let the frame in)
             logger.debug("data-plane guard failed", exc_info=True)
             return GUARD_ERROR, f"guard raised {e!r}"[:200]
 
-    def _decode(self, data: bytes | bytearray, check_tensor: bool) -> Tuple[Optional[object], Optional[str], str]:
-        """(message, None, "") or (None, reason, detail). With ``check_tensor`` (a large frame, in a worker
-        thread) the guard's checks of the tensor itself (dtype, codec, shape, every element finite) run
-        here too; they read nothing but the frame, unlike its other rules (replays, the iteration window),
-        which stay on the loop."""
+    def _decode(self, data: bytes | bytearray,
+                check_tensor: bool) -> Tuple[Optional[object], Optional[str], str, object]:
+        """(message, None, "", measured) or (None, reason, detail, None). With ``check_tensor`` (a large
+        frame, in a worker thread) the guard's checks of the tensor itself (dtype, codec, shape, every
+        element finite) and its magnitude (``measured``) are taken here too; they read nothing but the
+        frame, unlike its other rules (replays, the iteration window, the recent magnitudes), which stay
+        on the loop."""
         try:
             msg = decode(data, max_bytes=self.max_frame_bytes, expect=DATA_MESSAGES)
         except ProtocolError as e:
-            return None, UNDECODABLE, str(e)[:200]
+            return None, UNDECODABLE, str(e)[:200], None
+        measured = None
         if check_tensor and isinstance(msg, (ActivationMessage, GradientMessage)):
             try:
                 rejection = self.guard.check_tensor(msg.tensor)
+                if rejection is None:
+                    measured = self.guard.measure(msg.tensor)
+                    if isinstance(measured, Rejection):
+                        rejection, measured = measured, None
             except Exception as e:  # noqa: BLE001 - a guard bug must not end the stream (nor let the frame in)
-                return None, GUARD_ERROR, f"guard raised {e!r}"[:200]
+                return None, GUARD_ERROR, f"guard raised {e!r}"[:200], None
             if rejection is not None:
-                return None, rejection.reason, rejection.detail
-        return msg, None, ""
+                return None, rejection.reason, rejection.detail, None
+        return msg, None, "", measured
 
     async def _read_frame(self, reader: asyncio.StreamReader, header_len: int, byteorder: str,
                           sender: str) -> Optional[bytes | bytearray]:
@@ -338,16 +349,16 @@ class DataPlane:
                     continue
                 if len(data) > OFF_LOOP_BYTES:
                     tensor_checked = hasattr(self.guard, "check_tensor")
-                    msg, reason, detail = await asyncio.get_running_loop().run_in_executor(
+                    msg, reason, detail, measured = await asyncio.get_running_loop().run_in_executor(
                         None, self._decode, data, tensor_checked)
                 else:
                     tensor_checked = False
-                    msg, reason, detail = self._decode(data, False)
+                    msg, reason, detail, measured = self._decode(data, False)
                 if msg is None:
                     self._reject(sender, reason, detail)
                     continue
                 if self.guard is not None:
-                    reason, detail = self._inspect(msg, sender, tensor_checked)
+                    reason, detail = self._inspect(msg, sender, tensor_checked, measured)
                     if reason is not None:
                         self._reject(sender, reason, detail)
                         self._tell_rejected(msg, sender, reason, detail)

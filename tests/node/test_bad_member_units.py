@@ -151,3 +151,18 @@ def test_corrupt_rules_fire_in_order_and_a_bad_spec_is_one_user_error():
                  "corrupt@iteration=1,target=norm,fill=1,scale=2", "corrupt@iteration=1,target=norm,fill=x"):
         with pytest.raises(UserError):
             parse_fault(spec)
+
+
+def test_a_measured_magnitude_is_judged_without_reading_the_tensor_again():
+    """Large frames are measured in the data plane's worker thread (node.dataplane.transport._decode):
+    the loop's magnitude rule must use that measurement, not read the tensor itself."""
+    g = _guard()
+    honest = torch.ones(SHAPE)
+    for i in range(MIN_SAMPLES):
+        assert g.check(_act(i, honest), UP) is None
+    absurd = _act(MIN_SAMPLES, torch.full(SHAPE, 1e6))
+    measured = g.measure(absurd.tensor)
+    assert g.inspect(absurd, UP, tensor_checked=True, measured=measured).reason == "out_of_range"
+    # the measurement decides, whatever the frame holds: an honest measurement lets the frame in
+    assert g.inspect(_act(MIN_SAMPLES + 1, torch.full(SHAPE, 1e6)), UP, tensor_checked=True,
+                     measured=g.measure(_act(0, honest).tensor)) is None
