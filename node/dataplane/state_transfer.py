@@ -6,34 +6,40 @@ replicas; a node joining a single-replica stage, or one re-syncing after a faile
 must still be able to fetch. So every trainer serves its stage's state on one binary stream
 handler, ``skippipe/<run>/state/1``.
 
-Request: one msgpack frame ``{"stage": s, "min_iteration": i}``. The server waits (bounded) until
-it has committed iteration ``i`` and answers with a msgpack header ``{"ok", "stage", "iteration",
-"checksum", "error"}`` followed by one frame holding ``torch.save({"model", "optimizer"})``: the
-state right after committing ``iteration``. The snapshot is taken on the trainer's compute thread,
-so it never interleaves with an optimizer step.
+Request: one msgpack frame ``{"stage": s, "min_iteration": i, "digest_only": bool}``. The server
+waits (bounded) until it has committed iteration ``i`` and answers with a msgpack header ``{"ok",
+"stage", "iteration", "checksum", "digest", "error"}`` followed (unless ``digest_only``) by one frame
+holding the state blob of :mod:`node.dataplane.state_codec` (safetensors + a typed manifest; no
+pickle): the state right after committing ``iteration``. ``digest`` is the server's
+:func:`~node.dataplane.state_codec.weights_digest` of those weights: a receiver recomputes it from
+the tensors it got and compares it with what the stage's other replicas claim (see
+:mod:`node.train.state`). The snapshot is taken on the trainer's compute thread, so it never
+interleaves with an optimizer step.
 
 Limits (a hostile peer reaches this handler like any other): the request frame is read through
 :func:`node.net.framing.read_frame` (its length is checked before any of the body is read, and
 it must arrive within :data:`REQUEST_TIMEOUT_S`); with ``allow`` (``Daemon.is_peer_allowed``)
 only members are served; at most :data:`MAX_CONCURRENT_SERVES` snapshots are sent at once (each
-is a full copy of the stage's state). The client bounds the answer the same way.
+is a full copy of the stage's state). The client bounds the answer by its own stage's size
+(:meth:`~node.dataplane.state_codec.ExpectedState.max_bytes`), never by a constant, and decodes
+it only against the tensor names, shapes and dtypes of its own stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional, Sequence, Tuple
+import re
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Dict, Optional, Sequence, Tuple
 
 import msgpack
-import torch
 
 from node.compat import import_hivemind
+from node.dataplane.state_codec import ExpectedState, StateCodecError, decode_state, weights_digest
 from node.net.framing import FrameTooLarge, read_frame, write_frame
 
-__all__ = ["StateSnapshot", "StateServer", "fetch_state", "StateTransferError", "state_handler_name"]
+__all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_digests", "StateTransferError", "state_handler_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +49,8 @@ MAX_REQUEST_BYTES = 4096
 REQUEST_TIMEOUT_S = 30.0
 #: Largest answer header a client reads.
 MAX_HEADER_BYTES = 64 * 1024
-#: Largest state payload a client accepts (the 500m model's fp32 weights + AdamW state are ~6 GB).
-MAX_STATE_BYTES = 16 << 30
+#: A weights digest is SHA-256 in hex.
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 #: Snapshots served at the same time; further requests wait for a slot (within the wait timeout).
 MAX_CONCURRENT_SERVES = 2
 #: One "refused" log line per this many refused requests.
@@ -64,22 +70,34 @@ class StateSnapshot:
     stage: int
     iteration: int  # last committed iteration the state belongs to (-1 = initial weights)
     checksum: float
-    payload: bytes  # torch.save of {"model": ..., "optimizer": ...}
+    payload: bytes  # state_codec blob of {"model": ..., "optimizer": ...}; empty for a digest-only answer
+    digest: str = ""  # the sender's weights_digest of the model weights (a claim, checked by the receiver)
+    state: Optional[dict] = field(default=None, repr=False)  # decoded by fetch_state(expected=...)
 
-    def state_dict(self) -> dict:
-        return torch.load(io.BytesIO(self.payload), map_location="cpu", weights_only=False)
+    def state_dict(self, expected: Optional[ExpectedState]) -> dict:
+        """The state, decoded without running code; its model tensors must match ``expected`` (the
+        receiver's own stage) and its weights the claimed digest. :class:`StateCodecError` otherwise."""
+        manifest, state = decode_state(self.payload, expected)
+        if manifest.get("stage") != self.stage or manifest.get("iteration") != self.iteration:
+            raise StateCodecError(f"blob holds stage {manifest.get('stage')!r} iteration "
+                                  f"{manifest.get('iteration')!r}, the header said {self.stage}/{self.iteration}")
+        if self.digest and weights_digest(state["model"]) != self.digest:
+            raise StateCodecError("weights do not match the digest their sender claimed")
+        return state
 
 
 #: ``snapshot(stage, min_iteration) -> StateSnapshot``; raises ValueError for a stage not held here
 SnapshotFn = Callable[[int, int], Awaitable[StateSnapshot]]
+#: ``digest(stage, min_iteration) -> StateSnapshot`` without payload (a digest-only answer)
+DigestFn = Callable[[int, int], Awaitable[StateSnapshot]]
 
 
 class StateServer:
     """Serves ``snapshot`` on the state stream handler of one node's hivemind ``P2P``."""
 
     def __init__(self, p2p, run_id: str, snapshot: SnapshotFn, wait_timeout_s: float = 120.0,
-                 allow: Optional[Callable[[str], bool]] = None):
-        self.p2p, self.name, self._snapshot = p2p, state_handler_name(run_id), snapshot
+                 allow: Optional[Callable[[str], bool]] = None, digest: Optional[DigestFn] = None):
+        self.p2p, self.name, self._snapshot, self._digest = p2p, state_handler_name(run_id), snapshot, digest
         self.wait_timeout_s, self._allow = wait_timeout_s, allow
         self.served = 0
         self.refused = 0  # requests refused: not allowed, oversized, late or malformed
@@ -101,16 +119,24 @@ class StateServer:
             if not isinstance(req, dict):
                 raise ValueError("request is not a map")
             stage, min_it = int(req["stage"]), int(req["min_iteration"])
+            digest_only = bool(req.get("digest_only", False))
             try:
+                if digest_only and self._digest is None:
+                    raise ValueError("this server answers no digest requests")
                 async with self._slots:
-                    snap = await asyncio.wait_for(self._snapshot(stage, min_it), self.wait_timeout_s)
-                    header = {"ok": True, "stage": snap.stage, "iteration": snap.iteration, "checksum": snap.checksum}
+                    make = self._digest if digest_only else self._snapshot
+                    snap = await asyncio.wait_for(make(stage, min_it), self.wait_timeout_s)
+                    header = {"ok": True, "stage": snap.stage, "iteration": snap.iteration, "checksum": snap.checksum,
+                              "digest": snap.digest}
                     await write_frame(writer, msgpack.packb(header))
-                    await write_frame(writer, snap.payload)
+                    if not digest_only:
+                        await write_frame(writer, snap.payload)
             except (ValueError, asyncio.TimeoutError) as e:
                 await write_frame(writer, msgpack.packb({"ok": False, "error": str(e) or type(e).__name__}))
                 return
             self.served += 1
+            if digest_only:
+                return
             logger.info("served stage %d state at iteration %d to %s (%d bytes)", snap.stage, snap.iteration,
                         sender[-8:], len(snap.payload))
         except asyncio.CancelledError:
@@ -136,28 +162,80 @@ class StateServer:
             self._started = False
 
 
-async def fetch_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int,
-                      timeout_s: float = 180.0, max_state_bytes: int = MAX_STATE_BYTES) -> Tuple[str, StateSnapshot]:
-    """Ask ``peers`` in order for ``stage``'s state at committed iteration >= ``min_iteration``."""
+def _parse_header(raw: bytes, stage: int, min_iteration: int) -> dict:
+    header = msgpack.unpackb(raw, raw=False)
+    if not isinstance(header, dict):
+        raise ValueError("answer header is not a map")
+    if not header.get("ok"):
+        return header
+    it, digest = header.get("iteration"), header.get("digest", "")
+    if header.get("stage") != stage or isinstance(it, bool) or not isinstance(it, int) or it < min_iteration:
+        raise ValueError(f"answer is for stage {header.get('stage')!r:.20} iteration {it!r:.20}, asked stage {stage} "
+                         f"from iteration {min_iteration}")
+    if not isinstance(digest, str) or (digest and not _DIGEST_RE.fullmatch(digest)):
+        raise ValueError("answer's digest is not a SHA-256 hex string")
+    checksum = header.get("checksum")
+    if isinstance(checksum, bool) or not isinstance(checksum, (int, float)):
+        raise ValueError("answer's checksum is not a number")
+    return header
+
+
+async def _ask(p2p, run_id: str, peer: str, stage: int, min_iteration: int, timeout_s: float, digest_only: bool,
+               max_state_bytes: int) -> StateSnapshot:
     hivemind = import_hivemind()
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(peer), state_handler_name(run_id)), 30.0)
+    try:
+        request = {"stage": stage, "min_iteration": min_iteration}
+        if digest_only:
+            request["digest_only"] = True
+        await write_frame(writer, msgpack.packb(request))
+        header = _parse_header(await read_frame(reader, MAX_HEADER_BYTES, timeout_s), stage, min_iteration)
+        if not header.get("ok"):
+            raise StateTransferError(str(header.get("error"))[:200])
+        payload = b"" if digest_only else await read_frame(reader, max_state_bytes, timeout_s)
+        return StateSnapshot(stage, header["iteration"], float(header["checksum"]), payload, header.get("digest", ""))
+    finally:
+        writer.close()
+
+
+async def fetch_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int, *,
+                      max_state_bytes: int, timeout_s: float = 180.0,
+                      expected: Optional[ExpectedState] = None) -> Tuple[str, StateSnapshot]:
+    """Ask ``peers`` in order for ``stage``'s state at committed iteration >= ``min_iteration``.
+
+    ``max_state_bytes`` bounds the answer (the receiver's :meth:`ExpectedState.max_bytes`). With
+    ``expected`` the blob is decoded here (never running code) and a peer whose blob does not fit
+    the receiver's stage, or whose weights do not match its own digest, is skipped like one that
+    did not answer; the decoded state is then on ``snap.state``."""
     errors = []
     for peer in peers:
         try:
-            _, reader, writer = await asyncio.wait_for(
-                p2p.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(peer), state_handler_name(run_id)), 30.0)
-            try:
-                await write_frame(writer, msgpack.packb({"stage": stage, "min_iteration": min_iteration}))
-                header = msgpack.unpackb(await read_frame(reader, MAX_HEADER_BYTES, timeout_s), raw=False)
-                if not isinstance(header, dict):
-                    raise ValueError("answer header is not a map")
-                if not header.get("ok"):
-                    errors.append(f"{peer[-8:]}: {str(header.get('error'))[:200]}")
-                    continue
-                payload = await read_frame(reader, max_state_bytes, timeout_s)
-                return peer, StateSnapshot(int(header["stage"]), int(header["iteration"]), float(header["checksum"]),
-                                           payload)
-            finally:
-                writer.close()
+            snap = await _ask(p2p, run_id, peer, stage, min_iteration, timeout_s, False, max_state_bytes)
+            if expected is not None:
+                # decoding copies and hashes the whole state: off the event loop
+                snap.state = await asyncio.get_running_loop().run_in_executor(None, snap.state_dict, expected)
+            return peer, snap
+        except StateCodecError as e:
+            logger.warning("stage %d state from %s refused: %s", stage, peer[-8:], e)
+            errors.append(f"{peer[-8:]}: refused its state ({e})")
         except Exception as e:  # noqa: BLE001 - try the next replica
-            errors.append(f"{peer[-8:]}: {e!r}")
+            errors.append(f"{peer[-8:]}: {e!r}"[:300])
     raise StateTransferError(f"no replica of stage {stage} handed over its state: " + ("; ".join(errors) or "none alive"))
+
+
+async def fetch_digests(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int,
+                        timeout_s: float = 60.0) -> Dict[str, Tuple[int, str]]:
+    """Ask every one of ``peers`` at once which weights it holds: peer -> (iteration, digest) of
+    those that answered (a digest-only request; nothing but the header comes back)."""
+
+    async def one(peer: str) -> Optional[Tuple[int, str]]:
+        try:
+            snap = await _ask(p2p, run_id, peer, stage, min_iteration, timeout_s, True, 0)
+        except Exception as e:  # noqa: BLE001 - a silent or broken replica makes no claim
+            logger.info("no weights digest of stage %d from %s: %r", stage, peer[-8:], e)
+            return None
+        return (snap.iteration, snap.digest) if snap.digest else None
+
+    answers = await asyncio.gather(*(one(p) for p in peers))
+    return {p: a for p, a in zip(peers, answers) if a is not None}

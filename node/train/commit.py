@@ -376,9 +376,11 @@ class IterationCommit:
         from node.dataplane.state_transfer import StateTransferError, fetch_state
 
         node = self.node
+        expected = node.stage_state.expected()
         try:
             _, snap = await fetch_state(node.p2p, self.cfg.run_id, [source], node.stage, it,
-                                        timeout_s=self.cfg.state_fetch_timeout_s)
+                                        timeout_s=self.cfg.state_fetch_timeout_s,
+                                        max_state_bytes=expected.max_bytes(), expected=expected)
         except StateTransferError as e:
             self.log.warning("re-sync failed (%s); stepping on our own", e)
 
@@ -388,7 +390,7 @@ class IterationCommit:
 
             await node.pipeline.compute(step_unclipped)
             return
-        state = await node.pipeline.compute(snap.state_dict)
+        state = snap.state
 
         def load() -> None:
             node.runtime.load_state_dict(state)

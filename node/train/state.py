@@ -8,12 +8,10 @@ from scratch; and every node serves its own state to joiners and to replicas tha
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 from typing import TYPE_CHECKING, Optional
 
-import torch
-
+from node.dataplane.state_codec import ExpectedState, encode_state, weights_digest
 from node.train.checkpoint import CheckpointStore, check_run_config
 from node.train.common import JoinFailed, NodeLog
 
@@ -53,7 +51,7 @@ class StageState:
         self.checkpoints = CheckpointStore(self.cfg.checkpoint_dir, self.cfg.run_id, node.stage, node.node_name)
         if not self.cfg.resume:
             return False
-        ckpt = self.checkpoints.load()  # CheckpointCorrupt: one line naming the file
+        ckpt = self.checkpoints.load(self.expected())  # CheckpointCorrupt/OldFormat: one line naming the file
         if ckpt is None:
             return False
         check_run_config(ckpt, checkpoint_run_config(self.cfg), self.checkpoints.path)
@@ -75,6 +73,7 @@ class StageState:
         from node.dataplane.state_transfer import StateTransferError, fetch_state
 
         node = self.node
+        expected = self.expected()
         # live replicas first, but ask the others too: under load a live peer's advert can lapse for
         # a moment, and a dead one only costs a failed dial
         peers = sorted((p for p in node.epochs.replicas(node.stage) if p != node.peer_id),
@@ -83,7 +82,8 @@ class StageState:
         for attempt in range(1, self.cfg.state_fetch_attempts + 1):
             try:
                 peer, snap = await fetch_state(node.p2p, self.cfg.run_id, peers, node.stage, start - 1,
-                                               timeout_s=self.cfg.state_fetch_timeout_s)
+                                               timeout_s=self.cfg.state_fetch_timeout_s,
+                                               max_state_bytes=expected.max_bytes(), expected=expected)
                 break
             except StateTransferError as e:
                 error = e
@@ -101,7 +101,7 @@ class StageState:
             node.committed_iteration = self.state_iteration = start - 1
             node.current_iteration = start
             return
-        state = await node.pipeline.compute(snap.state_dict)
+        state = snap.state
         await node.pipeline.compute(lambda: node.runtime.load_state_dict(state))
         node.committed_iteration = self.state_iteration = snap.iteration
         node.current_iteration = snap.iteration + 1
@@ -120,11 +120,16 @@ class StageState:
             await asyncio.sleep(0.05)
 
         def snap():
-            buf = io.BytesIO()
-            torch.save(node.runtime.state_dict(), buf)
-            return StateSnapshot(node.stage, self.state_iteration, node.runtime.checksum(), buf.getvalue())
+            state, it = node.runtime.state_dict(), self.state_iteration
+            blob = encode_state(state, {"stage": node.stage, "iteration": it})
+            return StateSnapshot(node.stage, it, node.runtime.checksum(), blob, weights_digest(state["model"]))
 
         return await node.pipeline.compute(snap)
+
+    def expected(self) -> ExpectedState:
+        """What this node's stage holds: downloaded state must have exactly these tensors."""
+        assert self.node.runtime is not None
+        return ExpectedState.of_module(self.node.runtime.module)
 
     async def save(self) -> None:
         """Checkpoint the last committed iteration (once per iteration)."""
