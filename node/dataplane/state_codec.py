@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 __all__ = ["StateCodecError", "ExpectedState", "encode_state", "decode_state", "read_manifest",
-           "weights_digest", "max_state_bytes", "tensors_finite", "MANIFEST_KEY"]
+           "weights_digest", "weights_sketch", "sketches_agree", "max_state_bytes", "tensors_finite",
+           "MANIFEST_KEY"]
 
 #: ``__metadata__`` key of the safetensors header that holds our manifest.
 MANIFEST_KEY = "skippipe"
@@ -351,3 +352,52 @@ def tensors_finite(model_state: Mapping[str, torch.Tensor]) -> Tuple[bool, List[
             zero.append(name)
     return finite, zero
 
+
+
+# ---------------------------------------------------------------------- sketches
+#: Random projections per tensor in a sketch (plus its RMS): two make a perturbation that happens to be
+#: orthogonal to one of them irrelevant.
+SKETCH_PROJECTIONS = 2
+#: Two sketches agree when every value differs by at most this fraction of the tensor's RMS. Honest
+#: replicas are not bit-identical (hivemind's all-reduce adds each peer's own delta, and rounding
+#: differs), but they differ by float32 rounding (~1e-7 of the RMS); a change that matters is far
+#: larger. A perturbation of RMS r moves each projection by about r, so this is the size of change
+#: (relative to the tensor's RMS) that can slip through.
+SKETCH_RTOL = 1e-3
+#: Absolute floor of the comparison, for tensors that are legitimately (near) zero.
+SKETCH_ATOL = 1e-12
+#: Longest sketch a peer may send: (1 + projections) values for each of MAX_TENSORS tensors.
+MAX_SKETCH_VALUES = (1 + SKETCH_PROJECTIONS) * MAX_TENSORS
+
+
+def weights_sketch(model_state: Mapping[str, torch.Tensor], nonce: bytes) -> List[float]:
+    """A fingerprint of a stage's weights that tolerates rounding: for each tensor in name order, its
+    RMS and :data:`SKETCH_PROJECTIONS` projections onto random directions drawn from ``nonce``.
+
+    The nonce is chosen by the verifier after it holds the blob it checks, so whoever served that blob
+    could not have shaped its weights to fool these particular directions."""
+    seed = int.from_bytes(hashlib.sha256(bytes(nonce)).digest()[:8], "little") & ((1 << 63) - 1)
+    gen = torch.Generator().manual_seed(seed)
+    out: List[float] = []
+    with torch.no_grad():
+        for name in sorted(model_state):
+            w = model_state[name].detach().to("cpu").reshape(-1).double()
+            n = max(w.numel(), 1)
+            out.append(float(w.pow(2).sum().div(n).sqrt()))
+            for _ in range(SKETCH_PROJECTIONS):
+                r = torch.randn(w.numel(), generator=gen, dtype=torch.float32).double()
+                out.append(float((w * r).sum()) / math.sqrt(n))
+    return out
+
+
+def sketches_agree(a: List[float], b: List[float]) -> bool:
+    """True when two sketches of the same stage describe the same weights up to rounding."""
+    step = 1 + SKETCH_PROJECTIONS
+    if len(a) != len(b) or len(a) % step:
+        return False
+    for i in range(0, len(a), step):
+        scale = SKETCH_RTOL * max(abs(a[i]), abs(b[i])) + SKETCH_ATOL
+        for x, y in zip(a[i:i + step], b[i:i + step]):
+            if not (math.isfinite(x) and math.isfinite(y)) or abs(x - y) > scale:
+                return False
+    return True

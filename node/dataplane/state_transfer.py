@@ -6,15 +6,25 @@ replicas; a node joining a single-replica stage, or one re-syncing after a faile
 must still be able to fetch. So every trainer serves its stage's state on one binary stream
 handler, ``skippipe/<run>/state/1``.
 
-Request: one msgpack frame ``{"stage": s, "min_iteration": i, "digest_only": bool}``. The server
-waits (bounded) until it has committed iteration ``i`` and answers with a msgpack header ``{"ok",
-"stage", "iteration", "checksum", "digest", "error"}`` followed (unless ``digest_only``) by one frame
-holding the state blob of :mod:`node.dataplane.state_codec` (safetensors + a typed manifest; no
-pickle): the state right after committing ``iteration``. ``digest`` is the server's
-:func:`~node.dataplane.state_codec.weights_digest` of those weights: a receiver recomputes it from
-the tensors it got and compares it with what the stage's other replicas claim (see
-:mod:`node.train.state`). The snapshot is taken on the trainer's compute thread, so it never
-interleaves with an optimizer step.
+Request: one msgpack frame ``{"stage": s, "min_iteration": i}``. The server waits (bounded) until
+it has committed iteration ``i`` and answers with a msgpack header ``{"ok", "stage", "iteration",
+"checksum", "digest", "error"}`` followed by one frame holding the state blob of
+:mod:`node.dataplane.state_codec` (safetensors + a typed manifest; no pickle): the state right after
+committing ``iteration``; ``digest`` is the SHA-256 of its weights, which the receiver recomputes.
+The snapshot is taken on the trainer's compute thread, so it never interleaves with an optimizer step.
+
+**Verified state** (:func:`fetch_verified_state`). A blob that decodes is not yet a blob to trust:
+a hostile replica can serve all-zero or perturbed weights of the right shapes. So the receiver
+asks the stage's *other* replicas what they hold: a request ``{"stage", "min_iteration": k,
+"sketch_nonce": n}`` is answered by a header carrying the server's
+:func:`~node.dataplane.state_codec.weights_sketch` of its weights at iteration ``k`` for the random
+``n`` the receiver chose *after* it received the blob (so its sender could not shape its weights
+for those directions). The blob is taken when its sender and the replicas whose sketch matches it
+outnumber those whose sketch does not; otherwise the next replica's blob is tried. With two or
+more other replicas one liar cannot pass; with none answering, the receiver logs whom it trusted
+alone. Sketches tolerate the float rounding by which honest replicas differ (a SHA-256 of the
+weights would not: replicas are close, not bit-identical). The answers come over the same
+libp2p stream, whose peer id the transport authenticated.
 
 Limits (a hostile peer reaches this handler like any other): the request frame is read through
 :func:`node.net.framing.read_frame` (its length is checked before any of the body is read, and
@@ -31,15 +41,17 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Dict, Optional, Sequence, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 
 from node.compat import import_hivemind
-from node.dataplane.state_codec import ExpectedState, StateCodecError, decode_state, weights_digest
+from node.dataplane.state_codec import (MAX_SKETCH_VALUES, ExpectedState, StateCodecError, decode_state,
+                                       sketches_agree, weights_digest, weights_sketch)
 from node.net.framing import FrameTooLarge, read_frame, write_frame
 
-__all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_digests", "StateTransferError", "state_handler_name"]
+__all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_verified_state", "fetch_sketches",
+           "StateTransferError", "state_handler_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +63,10 @@ REQUEST_TIMEOUT_S = 30.0
 MAX_HEADER_BYTES = 64 * 1024
 #: A weights digest is SHA-256 in hex.
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+#: Bytes of the random nonce a verifier sends with a sketch request.
+NONCE_BYTES = 16
+#: Seconds the other replicas have to answer a sketch request (they only wait for their commit and hash).
+SKETCH_TIMEOUT_S = 60.0
 #: Snapshots served at the same time; further requests wait for a slot (within the wait timeout).
 MAX_CONCURRENT_SERVES = 2
 #: One "refused" log line per this many refused requests.
@@ -88,16 +104,16 @@ class StateSnapshot:
 
 #: ``snapshot(stage, min_iteration) -> StateSnapshot``; raises ValueError for a stage not held here
 SnapshotFn = Callable[[int, int], Awaitable[StateSnapshot]]
-#: ``digest(stage, min_iteration) -> StateSnapshot`` without payload (a digest-only answer)
-DigestFn = Callable[[int, int], Awaitable[StateSnapshot]]
+#: ``sketch(stage, min_iteration, nonce) -> (iteration, weights_sketch)``; ValueError for a stage not held here
+SketchFn = Callable[[int, int, bytes], Awaitable[Tuple[int, List[float]]]]
 
 
 class StateServer:
     """Serves ``snapshot`` on the state stream handler of one node's hivemind ``P2P``."""
 
     def __init__(self, p2p, run_id: str, snapshot: SnapshotFn, wait_timeout_s: float = 120.0,
-                 allow: Optional[Callable[[str], bool]] = None, digest: Optional[DigestFn] = None):
-        self.p2p, self.name, self._snapshot, self._digest = p2p, state_handler_name(run_id), snapshot, digest
+                 allow: Optional[Callable[[str], bool]] = None, sketch: Optional[SketchFn] = None):
+        self.p2p, self.name, self._snapshot, self._sketch = p2p, state_handler_name(run_id), snapshot, sketch
         self.wait_timeout_s, self._allow = wait_timeout_s, allow
         self.served = 0
         self.refused = 0  # requests refused: not allowed, oversized, late or malformed
@@ -119,24 +135,26 @@ class StateServer:
             if not isinstance(req, dict):
                 raise ValueError("request is not a map")
             stage, min_it = int(req["stage"]), int(req["min_iteration"])
-            digest_only = bool(req.get("digest_only", False))
+            nonce = req.get("sketch_nonce")
             try:
-                if digest_only and self._digest is None:
-                    raise ValueError("this server answers no digest requests")
+                if nonce is not None:
+                    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES or self._sketch is None:
+                        raise ValueError("bad sketch request")
+                    async with self._slots:
+                        it, sketch = await asyncio.wait_for(self._sketch(stage, min_it, nonce), self.wait_timeout_s)
+                    await write_frame(writer, msgpack.packb({"ok": True, "stage": stage, "iteration": it,
+                                                             "checksum": 0.0, "sketch": sketch}))
+                    return
                 async with self._slots:
-                    make = self._digest if digest_only else self._snapshot
-                    snap = await asyncio.wait_for(make(stage, min_it), self.wait_timeout_s)
+                    snap = await asyncio.wait_for(self._snapshot(stage, min_it), self.wait_timeout_s)
                     header = {"ok": True, "stage": snap.stage, "iteration": snap.iteration, "checksum": snap.checksum,
                               "digest": snap.digest}
                     await write_frame(writer, msgpack.packb(header))
-                    if not digest_only:
-                        await write_frame(writer, snap.payload)
+                    await write_frame(writer, snap.payload)
             except (ValueError, asyncio.TimeoutError) as e:
                 await write_frame(writer, msgpack.packb({"ok": False, "error": str(e) or type(e).__name__}))
                 return
             self.served += 1
-            if digest_only:
-                return
             logger.info("served stage %d state at iteration %d to %s (%d bytes)", snap.stage, snap.iteration,
                         sender[-8:], len(snap.payload))
         except asyncio.CancelledError:
@@ -180,21 +198,21 @@ def _parse_header(raw: bytes, stage: int, min_iteration: int) -> dict:
     return header
 
 
-async def _ask(p2p, run_id: str, peer: str, stage: int, min_iteration: int, timeout_s: float, digest_only: bool,
-               max_state_bytes: int) -> StateSnapshot:
+async def _ask(p2p, run_id: str, peer: str, request: dict, timeout_s: float, max_state_bytes: int) -> dict:
+    """One request to ``peer``'s state handler: the checked header, plus ``payload`` unless it asked a sketch."""
     hivemind = import_hivemind()
+    stage, min_iteration = request["stage"], request["min_iteration"]
     _, reader, writer = await asyncio.wait_for(
         p2p.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(peer), state_handler_name(run_id)), 30.0)
     try:
-        request = {"stage": stage, "min_iteration": min_iteration}
-        if digest_only:
-            request["digest_only"] = True
         await write_frame(writer, msgpack.packb(request))
-        header = _parse_header(await read_frame(reader, MAX_HEADER_BYTES, timeout_s), stage, min_iteration)
+        header = _parse_header(await read_frame(reader, MAX_HEADER_BYTES + 16 * MAX_SKETCH_VALUES, timeout_s), stage,
+                               min_iteration)
         if not header.get("ok"):
             raise StateTransferError(str(header.get("error"))[:200])
-        payload = b"" if digest_only else await read_frame(reader, max_state_bytes, timeout_s)
-        return StateSnapshot(stage, header["iteration"], float(header["checksum"]), payload, header.get("digest", ""))
+        if "sketch_nonce" not in request:
+            header["payload"] = await read_frame(reader, max_state_bytes, timeout_s)
+        return header
     finally:
         writer.close()
 
@@ -208,34 +226,107 @@ async def fetch_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_it
     ``expected`` the blob is decoded here (never running code) and a peer whose blob does not fit
     the receiver's stage, or whose weights do not match its own digest, is skipped like one that
     did not answer; the decoded state is then on ``snap.state``."""
-    errors = []
+    errors: List[str] = []
     for peer in peers:
-        try:
-            snap = await _ask(p2p, run_id, peer, stage, min_iteration, timeout_s, False, max_state_bytes)
-            if expected is not None:
-                # decoding copies and hashes the whole state: off the event loop
-                snap.state = await asyncio.get_running_loop().run_in_executor(None, snap.state_dict, expected)
+        snap = await _fetch_one(p2p, run_id, peer, stage, min_iteration, max_state_bytes, timeout_s, expected, errors)
+        if snap is not None:
             return peer, snap
-        except StateCodecError as e:
-            logger.warning("stage %d state from %s refused: %s", stage, peer[-8:], e)
-            errors.append(f"{peer[-8:]}: refused its state ({e})")
-        except Exception as e:  # noqa: BLE001 - try the next replica
-            errors.append(f"{peer[-8:]}: {e!r}"[:300])
     raise StateTransferError(f"no replica of stage {stage} handed over its state: " + ("; ".join(errors) or "none alive"))
 
 
-async def fetch_digests(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int,
-                        timeout_s: float = 60.0) -> Dict[str, Tuple[int, str]]:
-    """Ask every one of ``peers`` at once which weights it holds: peer -> (iteration, digest) of
-    those that answered (a digest-only request; nothing but the header comes back)."""
+async def _fetch_one(p2p, run_id: str, peer: str, stage: int, min_iteration: int, max_state_bytes: int,
+                     timeout_s: float, expected: Optional[ExpectedState], errors: List[str]) -> Optional[StateSnapshot]:
+    try:
+        h = await _ask(p2p, run_id, peer, {"stage": stage, "min_iteration": min_iteration}, timeout_s, max_state_bytes)
+        snap = StateSnapshot(stage, h["iteration"], float(h["checksum"]), h["payload"], h.get("digest", ""))
+        if expected is not None:
+            # decoding copies and hashes the whole state: off the event loop
+            snap.state = await asyncio.get_running_loop().run_in_executor(None, snap.state_dict, expected)
+        return snap
+    except StateCodecError as e:
+        logger.warning("stage %d state from %s refused: %s", stage, peer[-8:], e)
+        errors.append(f"{peer[-8:]}: refused its state ({e})")
+    except Exception as e:  # noqa: BLE001 - try the next replica
+        errors.append(f"{peer[-8:]}: {e!r}"[:300])
+    return None
 
-    async def one(peer: str) -> Optional[Tuple[int, str]]:
+
+async def fetch_sketches(p2p, run_id: str, peers: Sequence[str], stage: int, iteration: int, nonce: bytes,
+                         timeout_s: float = SKETCH_TIMEOUT_S) -> Dict[str, Tuple[int, List[float]]]:
+    """Ask every one of ``peers`` at once for its weights sketch at ``iteration`` (or later) under
+    ``nonce``: peer -> (iteration, sketch) of those that answered well-formed."""
+
+    async def one(peer: str) -> Optional[Tuple[int, List[float]]]:
         try:
-            snap = await _ask(p2p, run_id, peer, stage, min_iteration, timeout_s, True, 0)
+            h = await _ask(p2p, run_id, peer, {"stage": stage, "min_iteration": iteration, "sketch_nonce": nonce},
+                           timeout_s, 0)
         except Exception as e:  # noqa: BLE001 - a silent or broken replica makes no claim
-            logger.info("no weights digest of stage %d from %s: %r", stage, peer[-8:], e)
+            logger.info("no weights sketch of stage %d from %s: %r", stage, peer[-8:], e)
             return None
-        return (snap.iteration, snap.digest) if snap.digest else None
+        sketch = h.get("sketch")
+        if (not isinstance(sketch, list) or len(sketch) > MAX_SKETCH_VALUES
+                or not all(isinstance(x, float) for x in sketch)):
+            logger.info("malformed weights sketch of stage %d from %s", stage, peer[-8:])
+            return None
+        return h["iteration"], sketch
 
     answers = await asyncio.gather(*(one(p) for p in peers))
     return {p: a for p, a in zip(peers, answers) if a is not None}
+
+
+@dataclass
+class Verdict:
+    """Why a downloaded state was taken: who served it, who vouched for it, who disagreed."""
+
+    source: str
+    agree: List[str]
+    disagree: List[str]
+    silent: List[str]
+
+    @property
+    def alone(self) -> bool:
+        return not self.agree and not self.disagree
+
+
+async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int, *,
+                               expected: ExpectedState, timeout_s: float = 180.0,
+                               sketch_timeout_s: float = SKETCH_TIMEOUT_S) -> Tuple[StateSnapshot, Verdict]:
+    """``stage``'s state from one of ``peers`` (tried in order), taken only when the other peers'
+    sketches of their weights at the same iteration back it (see the module docstring). A refused
+    source's state is dropped and the next peer tried, the peers that disagreed with it first."""
+    import os
+
+    errors: List[str] = []
+    order = list(dict.fromkeys(peers))
+    tried: set = set()
+    while True:
+        source = next((p for p in order if p not in tried), None)
+        if source is None:
+            raise StateTransferError(f"no replica of stage {stage} handed over state the others back: "
+                                     + ("; ".join(errors) or "none alive"))
+        tried.add(source)
+        snap = await _fetch_one(p2p, run_id, source, stage, min_iteration, expected.max_bytes(), timeout_s, expected,
+                                errors)
+        if snap is None:
+            continue
+        assert snap.state is not None
+        nonce = os.urandom(NONCE_BYTES)
+        others = [p for p in order if p != source]
+        loop = asyncio.get_running_loop()
+        mine, claims = await asyncio.gather(
+            loop.run_in_executor(None, weights_sketch, snap.state["model"], nonce),
+            fetch_sketches(p2p, run_id, others, stage, snap.iteration, nonce, sketch_timeout_s))
+        agree = [p for p, (it, sk) in claims.items() if it == snap.iteration and sketches_agree(mine, sk)]
+        disagree = [p for p, (it, sk) in claims.items() if it == snap.iteration and p not in agree]
+        verdict = Verdict(source, agree, disagree, [p for p in others if p not in agree and p not in disagree])
+        if 1 + len(agree) > len(disagree):
+            if verdict.alone:
+                logger.warning("stage %d state of iteration %d taken from %s on its word alone: no other replica "
+                               "answered for that iteration", stage, snap.iteration, source)
+            return snap, verdict
+        logger.warning("stage %d state of iteration %d from %s refused: %d replica(s) hold other weights (%s), %d "
+                       "back it", stage, snap.iteration, source[-8:], len(disagree),
+                       ", ".join(p[-8:] for p in disagree), len(agree))
+        errors.append(f"{source[-8:]}: its weights were disputed by {len(disagree)} other replica(s)")
+        # the replicas that disputed it are the likeliest honest majority: try them next
+        order = [p for p in order if p in disagree] + [p for p in order if p not in disagree]

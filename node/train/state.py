@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Optional
 
-from node.dataplane.state_codec import ExpectedState, encode_state, weights_digest
+from node.dataplane.state_codec import ExpectedState, encode_state, weights_digest, weights_sketch
 from node.train.checkpoint import CheckpointStore, check_run_config
 from node.train.common import JoinFailed, NodeLog
 
@@ -42,6 +42,7 @@ class StageState:
         self.server = None
         self.state_iteration = -1  # iteration the runtime's weights belong to (set on the compute thread)
         self.last_saved = -1
+        self.trusted = None  # the Verdict of the last downloaded state: whom it came from, who backed it
 
     def restore(self) -> bool:
         """Open the checkpoint store and, with ``resume``, load the last checkpoint; True if one was loaded."""
@@ -64,13 +65,15 @@ class StageState:
         """Hand this stage's state to joiners and re-syncing replicas."""
         from node.dataplane.state_transfer import StateServer
 
-        self.server = StateServer(self.node.p2p, self.cfg.run_id, self._snapshot, allow=allow)
+        self.server = StateServer(self.node.p2p, self.cfg.run_id, self._snapshot, allow=allow, sketch=self._sketch)
         await self.server.start()
 
     async def join(self, start: int, have_checkpoint: bool) -> None:
         """Mid-run join: take the stage's weights and optimizer state from a live replica (committed
-        iteration ``start - 1``), else from our own checkpoint; never silently from scratch."""
-        from node.dataplane.state_transfer import StateTransferError, fetch_state
+        iteration ``start - 1``), else from our own checkpoint; never silently from scratch. The
+        state is decoded without running code, checked against this stage's tensors, and taken only
+        when the stage's other replicas back it (:func:`fetch_verified_state`)."""
+        from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
 
         node = self.node
         expected = self.expected()
@@ -81,9 +84,9 @@ class StageState:
         snap, error, peer = None, None, None
         for attempt in range(1, self.cfg.state_fetch_attempts + 1):
             try:
-                peer, snap = await fetch_state(node.p2p, self.cfg.run_id, peers, node.stage, start - 1,
-                                               timeout_s=self.cfg.state_fetch_timeout_s,
-                                               max_state_bytes=expected.max_bytes(), expected=expected)
+                snap, verdict = await fetch_verified_state(node.p2p, self.cfg.run_id, peers, node.stage, start - 1,
+                                                           expected=expected, timeout_s=self.cfg.state_fetch_timeout_s)
+                peer, self.trusted = verdict.source, verdict
                 break
             except StateTransferError as e:
                 error = e
@@ -105,19 +108,16 @@ class StageState:
         await node.pipeline.compute(lambda: node.runtime.load_state_dict(state))
         node.committed_iteration = self.state_iteration = snap.iteration
         node.current_iteration = snap.iteration + 1
-        self.log.info("joined stage %d with the state of iteration %d from %s", node.stage, snap.iteration, peer[-8:])
+        self.log.info("joined stage %d with the state of iteration %d from %s (backed by %d other replica(s)%s)",
+                      node.stage, snap.iteration, peer[-8:], len(self.trusted.agree),
+                      f", disputed by {len(self.trusted.disagree)}" if self.trusted.disagree else "")
 
     async def _snapshot(self, stage: int, min_iteration: int):
         """State server callback: this stage's state once iteration ``min_iteration`` is committed."""
         from node.dataplane.state_transfer import StateSnapshot
 
         node = self.node
-        if node.runtime is None or stage != node.stage:
-            raise ValueError(f"stage {stage} is not held here")
-        while self.state_iteration < min_iteration:
-            if node.closed:
-                raise ValueError("trainer is shutting down")
-            await asyncio.sleep(0.05)
+        await self._wait_for(stage, min_iteration)
 
         def snap():
             state, it = node.runtime.state_dict(), self.state_iteration
@@ -125,6 +125,22 @@ class StageState:
             return StateSnapshot(node.stage, it, node.runtime.checksum(), blob, weights_digest(state["model"]))
 
         return await node.pipeline.compute(snap)
+
+    async def _sketch(self, stage: int, min_iteration: int, nonce: bytes):
+        """State server callback: ``(iteration, weights_sketch)`` once ``min_iteration`` is committed."""
+        node = self.node
+        await self._wait_for(stage, min_iteration)
+        return await node.pipeline.compute(
+            lambda: (self.state_iteration, weights_sketch(node.runtime.module.state_dict(), nonce)))
+
+    async def _wait_for(self, stage: int, min_iteration: int) -> None:
+        node = self.node
+        if node.runtime is None or stage != node.stage:
+            raise ValueError(f"stage {stage} is not held here")
+        while self.state_iteration < min_iteration:
+            if node.closed:
+                raise ValueError("trainer is shutting down")
+            await asyncio.sleep(0.05)
 
     def expected(self) -> ExpectedState:
         """What this node's stage holds: downloaded state must have exactly these tensors."""
