@@ -38,7 +38,7 @@ async def _pull(maddrs: List[str], timeout_s: float):
     from multiaddr import Multiaddr
 
     from node.dataplane.state_codec import ExpectedState
-    from node.dataplane.state_transfer import StateTransferError, fetch_state
+    from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
     from node.eval.omission import LoadedModel
     from node.net.rpc import RpcCallError, call_p2p
     from node.train.model import ModelConfig, build_stage
@@ -79,8 +79,9 @@ async def _pull(maddrs: List[str], timeout_s: float):
             module = build_stage(config, stage, 0)
             expected = ExpectedState.of_module(module)
             try:
-                _, snap = await fetch_state(p2p, str(training["run_id"]), replicas[stage], stage, 0,
-                                            timeout_s=timeout_s, max_state_bytes=expected.max_bytes(), expected=expected)
+                # the other replicas of the stage must back the weights one of them serves
+                snap, _ = await fetch_verified_state(p2p, str(training["run_id"]), replicas[stage], stage, 0,
+                                                     timeout_s=timeout_s, expected=expected)
             except StateTransferError as e:
                 raise UserError(f"{e} (in a private swarm the replicas serve members only: export with --from)") \
                     from None
