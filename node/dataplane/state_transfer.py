@@ -23,8 +23,11 @@ for those directions). The blob is taken when its sender and the replicas whose 
 outnumber those whose sketch does not; otherwise the next replica's blob is tried. With two or
 more other replicas one liar cannot pass; with none answering, the receiver logs whom it trusted
 alone. Sketches tolerate the float rounding by which honest replicas differ (a SHA-256 of the
-weights would not: replicas are close, not bit-identical). The answers come over the same
-libp2p stream, whose peer id the transport authenticated.
+weights would not: replicas are close, not bit-identical). A replica answering a sketch request
+first stores the same claim as a signed, owner-keyed
+:class:`~node.net.records.StateClaimRecord` in the DHT (key per stage and nonce); the verifier
+counts the signed record where it finds one and the direct answer (whose peer id the libp2p
+transport authenticated) for the rest.
 
 Limits (a hostile peer reaches this handler like any other): the request frame is read through
 :func:`node.net.framing.read_frame` (its length is checked before any of the body is read, and
@@ -49,6 +52,7 @@ from node.compat import import_hivemind
 from node.dataplane.state_codec import (MAX_SKETCH_VALUES, ExpectedState, StateCodecError, decode_state,
                                        sketches_agree, weights_digest, weights_sketch)
 from node.net.framing import FrameTooLarge, read_frame, write_frame
+from node.net.records import read_state_claims
 
 __all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_verified_state", "fetch_sketches",
            "StateTransferError", "state_handler_name"]
@@ -274,6 +278,18 @@ async def fetch_sketches(p2p, run_id: str, peers: Sequence[str], stage: int, ite
     return {p: a for p, a in zip(peers, answers) if a is not None}
 
 
+async def _signed_claims(dht, run_id: str, stage: int, nonce: bytes,
+                         others: Sequence[str]) -> Dict[str, Tuple[int, List[float]]]:
+    """The signed claims the other replicas stored for ``nonce`` (empty on a DHT miss or error)."""
+    try:
+        records = await asyncio.wait_for(read_state_claims(dht, run_id, stage, nonce, members=set(others)),
+                                         SKETCH_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - the direct answers still count
+        logger.info("reading the signed state claims of stage %d failed: %r", stage, e)
+        return {}
+    return {p: (r.iteration, list(r.sketch)) for p, r in (records or {}).items() if r.stage == stage}
+
+
 @dataclass
 class Verdict:
     """Why a downloaded state was taken: who served it, who vouched for it, who disagreed."""
@@ -290,10 +306,11 @@ class Verdict:
 
 async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int, *,
                                expected: ExpectedState, timeout_s: float = 180.0,
-                               sketch_timeout_s: float = SKETCH_TIMEOUT_S) -> Tuple[StateSnapshot, Verdict]:
+                               sketch_timeout_s: float = SKETCH_TIMEOUT_S, dht=None) -> Tuple[StateSnapshot, Verdict]:
     """``stage``'s state from one of ``peers`` (tried in order), taken only when the other peers'
     sketches of their weights at the same iteration back it (see the module docstring). A refused
-    source's state is dropped and the next peer tried, the peers that disagreed with it first."""
+    source's state is dropped and the next peer tried, the peers that disagreed with it first. With
+    ``dht`` the peers' signed claims there take precedence over their direct answers."""
     import os
 
     errors: List[str] = []
@@ -316,6 +333,8 @@ async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: in
         mine, claims = await asyncio.gather(
             loop.run_in_executor(None, weights_sketch, snap.state["model"], nonce),
             fetch_sketches(p2p, run_id, others, stage, snap.iteration, nonce, sketch_timeout_s))
+        if dht is not None:
+            claims.update(await _signed_claims(dht, run_id, stage, nonce, others))
         agree = [p for p, (it, sk) in claims.items() if it == snap.iteration and sketches_agree(mine, sk)]
         disagree = [p for p, (it, sk) in claims.items() if it == snap.iteration and p not in agree]
         verdict = Verdict(source, agree, disagree, [p for p in others if p not in agree and p not in disagree])

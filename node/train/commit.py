@@ -399,7 +399,7 @@ class IterationCommit:
         try:
             snap, _ = await fetch_verified_state(node.p2p, self.cfg.run_id, peers, node.stage, it,
                                                  expected=node.stage_state.expected(),
-                                                 timeout_s=self.cfg.state_fetch_timeout_s)
+                                                 timeout_s=self.cfg.state_fetch_timeout_s, dht=node.dht)
         except StateTransferError as e:
             self.log.warning("re-sync failed (%s); stepping on our own", e)
 

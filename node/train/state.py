@@ -30,6 +30,10 @@ __all__ = ["StageState"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a replica spends storing its signed state claim before it answers anyway (the verifier
+#: counts the direct answer when the DHT has no record).
+CLAIM_WRITE_TIMEOUT_S = 10.0
+
 
 class StageState:
     """Checkpoints, mid-run joins and the state server of one :class:`TrainerNode`."""
@@ -85,7 +89,8 @@ class StageState:
         for attempt in range(1, self.cfg.state_fetch_attempts + 1):
             try:
                 snap, verdict = await fetch_verified_state(node.p2p, self.cfg.run_id, peers, node.stage, start - 1,
-                                                           expected=expected, timeout_s=self.cfg.state_fetch_timeout_s)
+                                                           expected=expected, timeout_s=self.cfg.state_fetch_timeout_s,
+                                                           dht=node.dht)
                 peer, self.trusted = verdict.source, verdict
                 break
             except StateTransferError as e:
@@ -128,10 +133,22 @@ class StageState:
 
     async def _sketch(self, stage: int, min_iteration: int, nonce: bytes):
         """State server callback: ``(iteration, weights_sketch)`` once ``min_iteration`` is committed."""
+        from node.net.records import StateClaimRecord, write_state_claim
+
         node = self.node
         await self._wait_for(stage, min_iteration)
-        return await node.pipeline.compute(
+        it, sketch = await node.pipeline.compute(
             lambda: (self.state_iteration, weights_sketch(node.runtime.module.state_dict(), nonce)))
+        if it >= 0:  # the same word, signed, in the DHT (the verifier prefers it to the direct answer)
+            try:
+                await asyncio.wait_for(write_state_claim(node.dht, self.cfg.run_id, node.peer_id, nonce,
+                                                         StateClaimRecord(node.stage, it, tuple(sketch))),
+                                       CLAIM_WRITE_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the direct answer carries the claim too
+                self.log.info("storing the state claim of iteration %d failed: %r", it, e)
+        return it, sketch
 
     async def _wait_for(self, stage: int, min_iteration: int) -> None:
         node = self.node

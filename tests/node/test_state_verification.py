@@ -194,3 +194,74 @@ def test_state_of_another_shape_or_beyond_the_stage_size_is_refused():
 
     text = asyncio.run(main())
     assert "model tensors differ" in text and "FrameTooLarge" in text, text
+
+
+def test_signed_claims_count_and_a_forged_claim_naming_an_honest_replica_does_not(tmp_path):
+    """Replicas store their claims owner-signed in the DHT; the liar also stores, under a plain subkey,
+    a claim in the honest replica's name that backs its own zero weights. The verifier reads the DHT:
+    the forgery is ignored (it cannot sign for that key), so the liar's state is still refused."""
+    from types import SimpleNamespace
+
+    from node.net.access import SwarmAccess
+    from node.net.identity import load_or_create_identity
+    from node.net.records import StateClaimRecord, sign_records, state_claim_key, write_state_claim
+    from node.swarm.adverts import make_record_validators
+
+    honest = _trained_state()
+    zeros = {**honest, "model": {k: torch.zeros_like(v) for k, v in honest["model"].items()}}
+    paths = [tmp_path / f"id{i}.key" for i in range(3)]
+    ids = [load_or_create_identity(p) for p in paths]
+    data: dict = {}
+
+    class SharedDHT:
+        async def store(self, key, value, expiration_time, subkey, return_future=True):
+            data.setdefault(key, {})[subkey] = SimpleNamespace(value=value, expiration_time=expiration_time)
+            return True
+
+        async def get(self, key, latest=True, return_future=True):
+            return SimpleNamespace(value=dict(data[key])) if key in data else None
+
+    dhts = []
+    for identity in ids:
+        dht = SharedDHT()
+        sign_records(dht, make_record_validators(identity.private_key)[0].local_public_key, SwarmAccess())
+        dhts.append(dht)
+    liar_id, honest_id = (i.peer_id.to_base58() for i in ids[:2])
+
+    def replica(i, served, forge=False):
+        snapshot, _ = _replica(served)
+
+        async def sketch(stage, min_iteration, nonce):
+            mine = weights_sketch(served["model"], nonce)
+            await write_state_claim(dhts[i], RUN, "", nonce, StateClaimRecord(STAGE, ITERATION, tuple(mine)))
+            if forge:  # a plain-subkey record naming the honest replica, backing the zeros
+                data[state_claim_key(RUN, STAGE, nonce)][honest_id] = SimpleNamespace(
+                    value=StateClaimRecord(STAGE, ITERATION, tuple(mine)).to_dict(), expiration_time=0.0)
+            return ITERATION, mine
+
+        return snapshot, sketch
+
+    async def main():
+        hosts = []
+        try:
+            for i, served, forge in ((0, zeros, True), (1, honest, False)):
+                p2p = await P2P.create(host_maddrs=LOCAL, identity_path=str(paths[i]))
+                hosts.append(p2p)
+                snapshot, sketch = replica(i, served, forge)
+                await StateServer(p2p, RUN, snapshot, sketch=sketch).start()
+            maddrs = [str(m) for h in hosts for m in await h.get_visible_maddrs()]
+            receiver = await P2P.create(host_maddrs=LOCAL, initial_peers=maddrs, identity_path=str(paths[2]))
+            hosts.append(receiver)
+            peers = [liar_id, honest_id]
+            with pytest.raises(StateTransferError, match="disputed"):
+                await fetch_verified_state(receiver, RUN, peers, STAGE, ITERATION, expected=_receiver_expects(),
+                                           dht=dhts[2])
+        finally:
+            for h in hosts:
+                with contextlib.suppress(Exception):
+                    await h.shutdown()
+
+    asyncio.run(main())
+    from node.net.records import rejected_counts
+
+    assert rejected_counts(dhts[2]).get("not under an owner subkey", 0) >= 1
