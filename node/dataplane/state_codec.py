@@ -170,6 +170,8 @@ def _parse_header(blob: bytes) -> Tuple[Dict[str, TensorSpec], dict]:
                               f"{MAX_HEADER_BYTES})")
     try:
         header = json.loads(bytes(blob[8:8 + n]).decode("utf-8"))
+    except RecursionError:
+        raise StateCodecError("header nests too deep") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise StateCodecError(f"header is not JSON: {str(e)[:100]}") from None
     if not isinstance(header, dict):
@@ -197,6 +199,8 @@ def _parse_header(blob: bytes) -> Tuple[Dict[str, TensorSpec], dict]:
         specs[name] = TensorSpec(tuple(shape), dtype)
     try:
         manifest = json.loads(meta[MANIFEST_KEY])
+    except RecursionError:
+        raise StateCodecError(f"manifest nests deeper than {MAX_DEPTH}") from None
     except ValueError as e:
         raise StateCodecError(f"manifest is not JSON: {str(e)[:100]}") from None
     if not isinstance(manifest, dict) or "state" not in manifest:

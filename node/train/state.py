@@ -81,10 +81,11 @@ class StageState:
 
         node = self.node
         expected = self.expected()
-        # live replicas first, but ask the others too: under load a live peer's advert can lapse for
-        # a moment, and a dead one only costs a failed dial
+        # live replicas first (then by peer id, so every joiner asks in the same order), but ask the
+        # others too: under load a live peer's advert can lapse for a moment, and a dead one only costs
+        # a failed dial
         peers = sorted((p for p in node.epochs.replicas(node.stage) if p != node.peer_id),
-                       key=lambda p: not node.health.is_alive(p))
+                       key=lambda p: (not node.health.is_alive(p), p))
         snap, error, peer = None, None, None
         for attempt in range(1, self.cfg.state_fetch_attempts + 1):
             try:
