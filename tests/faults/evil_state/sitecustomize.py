@@ -37,11 +37,9 @@ def _install() -> None:
     import node.compat  # noqa: F401  (before hivemind)
     import torch
 
-    from node.dataplane.state_codec import encode_state, weights_digest, weights_sketch
-    from node.net.records import StateClaimRecord, write_state_claim
     from node.train import state
 
-    honest_snapshot, honest_sketch = state.StageState._snapshot, state.StageState._sketch
+    honest_snapshot, honest_sketch = state.StageState._snapshot, getattr(state.StageState, "_sketch", None)
 
     async def snapshot(self, stage, min_iteration):
         snap = await honest_snapshot(self, stage, min_iteration)
@@ -49,6 +47,8 @@ def _install() -> None:
         if mode == "pickle":
             snap.payload = pickle.dumps({"model": _Marker(os.environ["SKIPPIPE_TEST_EVIL_MARKER"])})
         elif mode == "zeros":
+            from node.dataplane.state_codec import encode_state, weights_digest
+
             full = self.node.runtime.state_dict()
             zeros = {**full, "model": {k: torch.zeros_like(v) for k, v in full["model"].items()}}
             snap.payload = encode_state(zeros, {"stage": snap.stage, "iteration": snap.iteration})
@@ -56,6 +56,9 @@ def _install() -> None:
         return snap
 
     async def sketch(self, stage, min_iteration, nonce):
+        from node.dataplane.state_codec import weights_sketch
+        from node.net.records import StateClaimRecord, write_state_claim
+
         if _mode() != "zeros":
             return await honest_sketch(self, stage, min_iteration, nonce)
         await self._wait_for(stage, min_iteration)
@@ -65,7 +68,9 @@ def _install() -> None:
                                 StateClaimRecord(stage, it, tuple(lie)))  # the same lie, signed
         return it, lie
 
-    state.StageState._snapshot, state.StageState._sketch = snapshot, sketch
+    state.StageState._snapshot = snapshot
+    if honest_sketch is not None:  # (a version without verified state has nothing to vouch with)
+        state.StageState._sketch = sketch
 
 
 if _IDENTITY and _IDENTITY in sys.argv:
