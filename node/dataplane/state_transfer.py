@@ -90,7 +90,7 @@ class StateSnapshot:
     stage: int
     iteration: int  # last committed iteration the state belongs to (-1 = initial weights)
     checksum: float
-    payload: bytes  # state_codec blob of {"model": ..., "optimizer": ...}; empty for a digest-only answer
+    payload: bytes  # state_codec blob of {"model": ..., "optimizer": ...}
     digest: str = ""  # the sender's weights_digest of the model weights (a claim, checked by the receiver)
     state: Optional[dict] = field(default=None, repr=False)  # decoded by fetch_state(expected=...)
 

@@ -39,7 +39,8 @@ from node.train.runtime import clip_coefficient
 if TYPE_CHECKING:
     from node.train.trainer import TrainerNode
 
-__all__ = ["IterationCommit", "resync_source", "majority_replicas", "global_squared_norm", "norm_report", "record_of_report"]
+__all__ = ["IterationCommit", "resync_source", "majority_replicas", "global_squared_norm", "norm_report",
+           "record_of_report"]
 
 logger = logging.getLogger(__name__)
 

@@ -188,8 +188,8 @@ def test_state_of_another_shape_or_beyond_the_stage_size_is_refused():
         async with _swarm([_replica(honest, served=other_stage), _replica(honest, payload=oversized)]) as (
                 receiver, peers):
             with pytest.raises(StateTransferError) as info:
-                await fetch_state(receiver, RUN, peers, STAGE, ITERATION, max_state_bytes=_receiver_expects().max_bytes(),
-                                  expected=_receiver_expects())
+                await fetch_state(receiver, RUN, peers, STAGE, ITERATION,
+                                  max_state_bytes=_receiver_expects().max_bytes(), expected=_receiver_expects())
             return str(info.value)
 
     text = asyncio.run(main())

@@ -9,8 +9,8 @@ import struct
 import pytest
 import torch
 
-from node.dataplane.state_codec import (MAX_DEPTH, ExpectedState, StateCodecError, decode_state, encode_state, sketches_agree,
-                                        weights_sketch)
+from node.dataplane.state_codec import (MAX_DEPTH, ExpectedState, StateCodecError, decode_state, encode_state,
+                                        sketches_agree, weights_sketch)
 from node.train.model import build_stage, model_config
 from node.train.runtime import OptimConfig, StageRuntime
 
