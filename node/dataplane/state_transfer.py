@@ -295,6 +295,7 @@ class Verdict:
     """Why a downloaded state was taken: who served it, who vouched for it, who disagreed."""
 
     source: str
+    iteration: int
     agree: List[str]
     disagree: List[str]
     silent: List[str]
@@ -302,6 +303,10 @@ class Verdict:
     @property
     def alone(self) -> bool:
         return not self.agree and not self.disagree
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "iteration": self.iteration, "backed_by": list(self.agree),
+                "disputed_by": list(self.disagree), "silent": list(self.silent)}
 
 
 async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int, *,
@@ -337,7 +342,7 @@ async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: in
             claims.update(await _signed_claims(dht, run_id, stage, nonce, others))
         agree = [p for p, (it, sk) in claims.items() if it == snap.iteration and sketches_agree(mine, sk)]
         disagree = [p for p, (it, sk) in claims.items() if it == snap.iteration and p not in agree]
-        verdict = Verdict(source, agree, disagree, [p for p in others if p not in agree and p not in disagree])
+        verdict = Verdict(source, snap.iteration, agree, disagree, [p for p in others if p not in agree and p not in disagree])
         if 1 + len(agree) > len(disagree):
             if verdict.alone:
                 logger.warning("stage %d state of iteration %d taken from %s on its word alone: no other replica "

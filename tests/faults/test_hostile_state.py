@@ -53,6 +53,7 @@ def test_a_hostile_replica_cannot_run_code_in_or_hand_wrong_weights_to_joiners(t
         wait_for(swarm, [a.index], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1)
                  >= (s.get("start_iteration") or 0), 600, "joiner A to train")
         log_a = a.log_path.read_text(errors="replace")
+        source_a = wait_for(swarm, [a.index], lambda s: True, 60, "joiner A's state")[a.index]["state_source"]
         mode.write_text("zeros")
         b = swarm.add_node(stage=1, timeout=300)
         wait_for(swarm, [b.index], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1)
@@ -65,6 +66,7 @@ def test_a_hostile_replica_cannot_run_code_in_or_hand_wrong_weights_to_joiners(t
     # A: the pickle was refused as state (it never decoded), the honest replica's state taken
     assert f"state from {evil[-8:]} refused" in log_a, log_a[-4000:]
     assert f"from {honest[-8:]}" in _joined_line(log_a), _joined_line(log_a)
+    assert source_a["source"] == honest and source_a["backed_by"] == [evil], source_a
     # B: the zeros were disputed by the other replicas and refused, the honest replica's state taken
     assert f"from {evil[-8:]} refused: 2 replica(s) hold other weights" in log_b, log_b[-4000:]
     joined_b = _joined_line(log_b)
