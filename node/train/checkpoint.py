@@ -65,14 +65,17 @@ class CheckpointCorrupt(UserError, ValueError):
                          "or restore a good copy)")
 
 
-class CheckpointOldFormat(UserError):
+class CheckpointOldFormat(CheckpointCorrupt):
     """A checkpoint in a pickle format (1 or 2): refused, because loading it could run code; one line
-    naming the file and the command that converts it."""
+    naming the file and the command that converts it. A kind of :class:`CheckpointCorrupt`, so every
+    caller that refuses an unreadable checkpoint refuses it too."""
 
     def __init__(self, path: os.PathLike, version: int):
         self.path, self.version = pathlib.Path(path), version
-        super().__init__(f"checkpoint {self.path} is in the old pickle format {version}, which this version does not "
-                         f"load (it could run code); convert it once with: skippipe checkpoint convert {self.path}")
+        self.reason = f"old pickle format {version}"
+        UserError.__init__(self, f"checkpoint {self.path} is in the old pickle format {version}, which this version "
+                                 "does not load (it could run code); convert it once with: skippipe checkpoint "
+                                 f"convert {self.path}")
 
 
 class CheckpointMismatch(UserError):
