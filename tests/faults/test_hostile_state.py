@@ -5,7 +5,8 @@ are refused, and the joiners take the honest replicas' state.
 (the lowest peer id, so joiners ask it first) is turned hostile by ``tests/faults/evil_state`` (a
 ``sitecustomize`` on the daemons' ``PYTHONPATH`` that acts only in the daemon started with its identity).
 Joiner A arrives while it serves a pickle whose ``__reduce__`` creates a marker file; joiner B while it
-serves all-zero weights (and vouches for them). Both must join from the honest replica; the marker
+serves all-zero weights (and vouches for them), and then ``skippipe export --peer`` pulls the stages.
+Both joiners must join from an honest replica and the export must hold no all-zero tensor; the marker
 must never appear; training goes on.
 """
 
@@ -15,6 +16,8 @@ import shutil
 
 import pytest
 
+from node.cli.export_pull import pull_stages
+from node.eval.export import check_weights
 from node.net.identity import load_or_create_identity
 from node.testing.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import train_args, wait_for
@@ -59,6 +62,8 @@ def test_a_hostile_replica_cannot_run_code_in_or_hand_wrong_weights_to_joiners(t
         wait_for(swarm, [b.index], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1)
                  >= (s.get("start_iteration") or 0), 600, "joiner B to train")
         log_b = b.log_path.read_text(errors="replace")
+        # skippipe export --peer, still with the zeros on offer: it must pull the honest weights
+        loaded = pull_stages([swarm.nodes[0].maddr])
         after = wait_for(swarm, [0], lambda s: s.get("state") == "training", 60, "the data node")[0]
     finally:
         swarm.stop()
@@ -72,3 +77,4 @@ def test_a_hostile_replica_cannot_run_code_in_or_hand_wrong_weights_to_joiners(t
     joined_b = _joined_line(log_b)
     assert evil[-8:] not in joined_b and "backed by 1 other replica(s), disputed by 1" in joined_b, joined_b
     assert after["state"] == "training"
+    assert check_weights(loaded) == [], "the export took a replica's all-zero weights"
