@@ -39,8 +39,8 @@ def _convert(args: argparse.Namespace) -> int:
     from node.train.checkpoint import convert_checkpoint
 
     for path in _files(args.paths):
-        convert_checkpoint(path)  # CheckpointCorrupt: one line naming the file
-        print(f"converted {path}")
+        # CheckpointCorrupt: one line naming the file
+        print(f"converted {path}" if convert_checkpoint(path) else f"already in the current format: {path}")
     return 0
 
 

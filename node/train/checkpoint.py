@@ -173,8 +173,9 @@ def read_checkpoint_file(path: os.PathLike, expected: Optional[ExpectedState] = 
     return manifest, digest
 
 
-def convert_checkpoint(path: os.PathLike) -> pathlib.Path:
-    """Rewrite a format-1 or format-2 checkpoint at ``path`` in format 3 (atomically, in place).
+def convert_checkpoint(path: os.PathLike) -> bool:
+    """Rewrite a format-1 or format-2 checkpoint at ``path`` in format 3 (atomically, in place); True
+    when it was rewritten, False when it already was format 3 (then it is only checked).
 
     The old body is read with ``torch.load(weights_only=True)``: torch's restricted unpickler, which
     builds tensors and plain containers and refuses everything else, so a file carrying code fails
@@ -194,7 +195,7 @@ def convert_checkpoint(path: os.PathLike) -> pathlib.Path:
         _, version, _, length, digest = _HEADER.unpack(data[:HEADER_BYTES])
         if version == FORMAT_VERSION:
             read_checkpoint_file(path)
-            return path  # already converted
+            return False
         if version != 2:
             raise CheckpointCorrupt(path, f"unknown format version {version}")
         body = data[HEADER_BYTES:]
@@ -214,7 +215,7 @@ def convert_checkpoint(path: os.PathLike) -> pathlib.Path:
                          dict(payload.get("meta") or {}), payload.get("run_config"))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointCorrupt(path, f"incomplete payload: {_first_line(e)}") from None
-    return path
+    return True
 
 
 def write_checkpoint(path: pathlib.Path, iteration: int, stage: int, state: Dict[str, Any],

@@ -176,3 +176,16 @@ def test_resume_under_another_run_config_names_file_and_keys(tmp_path):
         check_run_config(ckpt, {"lr": 2e-3, "seed": 0, "model": "tiny"}, store.path)
     assert "lr" in str(info.value) and "seed" not in str(info.value)
     _one_line_naming(info.value, store.path)
+
+
+def test_convert_command_rewrites_a_folder_of_old_checkpoints(tmp_path, capsys):
+    from node.cli import main
+
+    stores = [CheckpointStore(tmp_path, "run", s, f"node{s}") for s in (0, 1)]
+    for s, store in enumerate(stores):
+        _format_2(store.path, {"format": 2, "iteration": 3, "stage": s, "state": _state(s), "meta": {}})
+    assert main(["checkpoint", "convert", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("converted ") == 2
+    assert [store.load().iteration for store in stores] == [3, 3]
+    assert main(["checkpoint", "convert", str(tmp_path)]) == 0  # already format 3: checked, left alone
+    assert capsys.readouterr().out.count("already in the current format") == 2
