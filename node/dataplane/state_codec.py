@@ -91,7 +91,7 @@ class ExpectedState:
     def max_bytes(self) -> int:
         """The largest honest blob for this stage: weights + AdamW's two moments (and its optional
         third) per parameter + step counters, plus header and manifest room."""
-        params = sum(math.prod(s.shape) * 4 for s in self.params)
+        params = sum(math.prod(s.shape) * max(4, _elsize(s.dtype)) for s in self.params)
         n_tensors = len(self.model) + 4 * len(self.params) + 8
         return self.tensor_bytes() + 3 * params + n_tensors * PER_TENSOR_OVERHEAD + OVERHEAD_BYTES
 
