@@ -17,8 +17,10 @@ offsets) and, given an :class:`ExpectedState` (what the receiver's own stage hol
 tree's tensor names, shapes and dtypes against it **before** any tensor is materialised; then
 ``safetensors.torch.load`` copies the tensors out (safetensors' own parser checks the offsets again).
 
-:func:`weights_digest` is the stage's identity for verification: SHA-256 over the model weights in
-name order (name, dtype, shape, raw bytes), the same on every replica holding the same weights.
+:func:`weights_digest` (SHA-256 over the model weights in name order: name, dtype, shape, raw bytes)
+binds a served blob to its sender's header. Verification against the stage's other replicas uses
+:func:`weights_sketch` instead: honest replicas differ by all-reduce rounding, so only a comparison
+that tolerates rounding can tell them from a liar (see :mod:`node.dataplane.state_transfer`).
 """
 
 from __future__ import annotations
