@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "node.cli.eval_cmd",
     "node.cli.generate_cmd",
     "node.cli.export_cmd",
+    "node.cli.checkpoint_cmd",
 )
 
 DESCRIPTION = """\

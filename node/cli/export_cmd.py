@@ -29,6 +29,8 @@ def _handler(args: argparse.Namespace) -> int:
         raise UserError("--from DIR [DIR ...] or --peer MADDR is required: where the run's stages are")
     else:
         summary = export_checkpoints(args.sources, args.out, tokenizer=args.tokenizer, corpus=args.corpus)
+    for warning in summary.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -8,7 +8,6 @@ the replicas serve members only, so pull from a member's machine with ``--from``
 
 from __future__ import annotations
 
-import io
 import pathlib
 from typing import Dict, List, Sequence
 
@@ -20,6 +19,11 @@ __all__ = ["pull_stages"]
 PULL_TIMEOUT_S = 300.0
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
 def pull_stages(maddrs: Sequence[str], timeout_s: float = PULL_TIMEOUT_S):
     """A :class:`node.eval.omission.LoadedModel` built from the live replicas reachable through ``maddrs``."""
     import asyncio
@@ -28,14 +32,13 @@ def pull_stages(maddrs: Sequence[str], timeout_s: float = PULL_TIMEOUT_S):
 
 
 async def _pull(maddrs: List[str], timeout_s: float):
-    import torch
-
     import node.compat  # noqa: F401
     from hivemind.p2p import P2P, PeerID
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
     from multiaddr import Multiaddr
 
-    from node.dataplane.state_transfer import StateTransferError, fetch_state
+    from node.dataplane.state_codec import ExpectedState
+    from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
     from node.eval.omission import LoadedModel
     from node.net.rpc import RpcCallError, call_p2p
     from node.train.model import ModelConfig, build_stage
@@ -56,25 +59,34 @@ async def _pull(maddrs: List[str], timeout_s: float):
             raise UserError(f"{maddrs[0]}: {e}") from None
         if not isinstance(training, dict) or "model" not in training:
             raise UserError(f"{maddrs[0]} does not train (no --train) or runs an older version: nothing to export")
-        config = ModelConfig.from_dict(training["model"])
+        try:
+            config = ModelConfig.from_dict(training["model"])
+        except (TypeError, ValueError, AttributeError) as e:
+            raise UserError(f"{maddrs[0]} describes a model this version cannot build: {_first_line(e)}") from None
         replicas: Dict[int, List[str]] = {s: [] for s in range(config.n_stages)}
-        for entry in swarm.get("peers", []):
-            if str(entry.get("state")) in ("ONLINE", "DRAINING"):
-                for s in entry.get("stages", []):
-                    replicas.setdefault(int(s), []).append(entry["peer_id"])
+        try:
+            for entry in swarm.get("peers", []):
+                if str(entry.get("state")) in ("ONLINE", "DRAINING"):
+                    for s in entry.get("stages", []):
+                        replicas.setdefault(int(s), []).append(str(entry["peer_id"]))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{maddrs[0]} answered a malformed swarm view: {_first_line(e)}") from None
         missing = [s for s, ps in replicas.items() if not ps]
         if missing:
             raise UserError(f"stages {missing} have no live replica in the swarm: nothing to pull them from")
         modules, iterations = [], []
         for stage in range(config.n_stages):
+            module = build_stage(config, stage, 0)
+            expected = ExpectedState.of_module(module)
             try:
-                _, snap = await fetch_state(p2p, training["run_id"], replicas[stage], stage, 0, timeout_s=timeout_s)
+                # the other replicas of the stage must back the weights one of them serves
+                snap, _ = await fetch_verified_state(p2p, str(training["run_id"]), replicas[stage], stage, 0,
+                                                     timeout_s=timeout_s, expected=expected)
             except StateTransferError as e:
                 raise UserError(f"{e} (in a private swarm the replicas serve members only: export with --from)") \
                     from None
-            state = torch.load(io.BytesIO(snap.payload), map_location="cpu", weights_only=True)
-            module = build_stage(config, stage, 0)
-            module.load_state_dict(state["model"])
+            assert snap.state is not None
+            module.load_state_dict(snap.state["model"])
             modules.append(module)
             iterations.append(snap.iteration)
     finally:

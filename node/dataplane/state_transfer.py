@@ -8,32 +8,54 @@ handler, ``skippipe/<run>/state/1``.
 
 Request: one msgpack frame ``{"stage": s, "min_iteration": i}``. The server waits (bounded) until
 it has committed iteration ``i`` and answers with a msgpack header ``{"ok", "stage", "iteration",
-"checksum", "error"}`` followed by one frame holding ``torch.save({"model", "optimizer"})``: the
-state right after committing ``iteration``. The snapshot is taken on the trainer's compute thread,
-so it never interleaves with an optimizer step.
+"checksum", "digest", "error"}`` followed by one frame holding the state blob of
+:mod:`node.dataplane.state_codec` (safetensors + a typed manifest; no pickle): the state right after
+committing ``iteration``; ``digest`` is the SHA-256 of its weights, which the receiver recomputes.
+The snapshot is taken on the trainer's compute thread, so it never interleaves with an optimizer step.
+
+**Verified state** (:func:`fetch_verified_state`). A blob that decodes is not yet a blob to trust:
+a hostile replica can serve all-zero or perturbed weights of the right shapes. So the receiver
+asks the stage's *other* replicas what they hold: a request ``{"stage", "min_iteration": k,
+"sketch_nonce": n}`` is answered by a header carrying the server's
+:func:`~node.dataplane.state_codec.weights_sketch` of its weights at iteration ``k`` for the random
+``n`` the receiver chose *after* it received the blob (so its sender could not shape its weights
+for those directions). The blob is taken when its sender and the replicas whose sketch matches it
+outnumber those whose sketch does not; otherwise the next replica's blob is tried. With two or
+more other replicas one liar cannot pass; with none answering, the receiver logs whom it trusted
+alone. Sketches tolerate the float rounding by which honest replicas differ (a SHA-256 of the
+weights would not: replicas are close, not bit-identical). A replica answering a sketch request
+first stores the same claim as a signed, owner-keyed
+:class:`~node.net.records.StateClaimRecord` in the DHT (key per stage and nonce); the verifier
+counts the signed record where it finds one and the direct answer (whose peer id the libp2p
+transport authenticated) for the rest.
 
 Limits (a hostile peer reaches this handler like any other): the request frame is read through
 :func:`node.net.framing.read_frame` (its length is checked before any of the body is read, and
 it must arrive within :data:`REQUEST_TIMEOUT_S`); with ``allow`` (``Daemon.is_peer_allowed``)
 only members are served; at most :data:`MAX_CONCURRENT_SERVES` snapshots are sent at once (each
-is a full copy of the stage's state). The client bounds the answer the same way.
+is a full copy of the stage's state). The client bounds the answer by its own stage's size
+(:meth:`~node.dataplane.state_codec.ExpectedState.max_bytes`), never by a constant, and decodes
+it only against the tensor names, shapes and dtypes of its own stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional, Sequence, Tuple
+import re
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
-import torch
 
 from node.compat import import_hivemind
+from node.dataplane.state_codec import (MAX_SKETCH_VALUES, ExpectedState, StateCodecError, decode_state,
+                                       sketches_agree, weights_digest, weights_sketch)
 from node.net.framing import FrameTooLarge, read_frame, write_frame
+from node.net.records import read_state_claims
 
-__all__ = ["StateSnapshot", "StateServer", "fetch_state", "StateTransferError", "state_handler_name"]
+__all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_verified_state", "fetch_sketches",
+           "StateTransferError", "state_handler_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +65,12 @@ MAX_REQUEST_BYTES = 4096
 REQUEST_TIMEOUT_S = 30.0
 #: Largest answer header a client reads.
 MAX_HEADER_BYTES = 64 * 1024
-#: Largest state payload a client accepts (the 500m model's fp32 weights + AdamW state are ~6 GB).
-MAX_STATE_BYTES = 16 << 30
+#: A weights digest is SHA-256 in hex.
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+#: Bytes of the random nonce a verifier sends with a sketch request.
+NONCE_BYTES = 16
+#: Seconds the other replicas have to answer a sketch request (they only wait for their commit and hash).
+SKETCH_TIMEOUT_S = 60.0
 #: Snapshots served at the same time; further requests wait for a slot (within the wait timeout).
 MAX_CONCURRENT_SERVES = 2
 #: One "refused" log line per this many refused requests.
@@ -64,22 +90,34 @@ class StateSnapshot:
     stage: int
     iteration: int  # last committed iteration the state belongs to (-1 = initial weights)
     checksum: float
-    payload: bytes  # torch.save of {"model": ..., "optimizer": ...}
+    payload: bytes  # state_codec blob of {"model": ..., "optimizer": ...}
+    digest: str = ""  # the sender's weights_digest of the model weights (a claim, checked by the receiver)
+    state: Optional[dict] = field(default=None, repr=False)  # decoded by fetch_state(expected=...)
 
-    def state_dict(self) -> dict:
-        return torch.load(io.BytesIO(self.payload), map_location="cpu", weights_only=False)
+    def state_dict(self, expected: Optional[ExpectedState]) -> dict:
+        """The state, decoded without running code; its model tensors must match ``expected`` (the
+        receiver's own stage) and its weights the claimed digest. :class:`StateCodecError` otherwise."""
+        manifest, state = decode_state(self.payload, expected)
+        if manifest.get("stage") != self.stage or manifest.get("iteration") != self.iteration:
+            raise StateCodecError(f"blob holds stage {manifest.get('stage')!r} iteration "
+                                  f"{manifest.get('iteration')!r}, the header said {self.stage}/{self.iteration}")
+        if self.digest and weights_digest(state["model"]) != self.digest:
+            raise StateCodecError("weights do not match the digest their sender claimed")
+        return state
 
 
 #: ``snapshot(stage, min_iteration) -> StateSnapshot``; raises ValueError for a stage not held here
 SnapshotFn = Callable[[int, int], Awaitable[StateSnapshot]]
+#: ``sketch(stage, min_iteration, nonce) -> (iteration, weights_sketch)``; ValueError for a stage not held here
+SketchFn = Callable[[int, int, bytes], Awaitable[Tuple[int, List[float]]]]
 
 
 class StateServer:
     """Serves ``snapshot`` on the state stream handler of one node's hivemind ``P2P``."""
 
     def __init__(self, p2p, run_id: str, snapshot: SnapshotFn, wait_timeout_s: float = 120.0,
-                 allow: Optional[Callable[[str], bool]] = None):
-        self.p2p, self.name, self._snapshot = p2p, state_handler_name(run_id), snapshot
+                 allow: Optional[Callable[[str], bool]] = None, sketch: Optional[SketchFn] = None):
+        self.p2p, self.name, self._snapshot, self._sketch = p2p, state_handler_name(run_id), snapshot, sketch
         self.wait_timeout_s, self._allow = wait_timeout_s, allow
         self.served = 0
         self.refused = 0  # requests refused: not allowed, oversized, late or malformed
@@ -101,10 +139,20 @@ class StateServer:
             if not isinstance(req, dict):
                 raise ValueError("request is not a map")
             stage, min_it = int(req["stage"]), int(req["min_iteration"])
+            nonce = req.get("sketch_nonce")
             try:
+                if nonce is not None:
+                    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES or self._sketch is None:
+                        raise ValueError("bad sketch request")
+                    async with self._slots:
+                        it, sketch = await asyncio.wait_for(self._sketch(stage, min_it, nonce), self.wait_timeout_s)
+                    await write_frame(writer, msgpack.packb({"ok": True, "stage": stage, "iteration": it,
+                                                             "checksum": 0.0, "sketch": sketch}))
+                    return
                 async with self._slots:
                     snap = await asyncio.wait_for(self._snapshot(stage, min_it), self.wait_timeout_s)
-                    header = {"ok": True, "stage": snap.stage, "iteration": snap.iteration, "checksum": snap.checksum}
+                    header = {"ok": True, "stage": snap.stage, "iteration": snap.iteration, "checksum": snap.checksum,
+                              "digest": snap.digest}
                     await write_frame(writer, msgpack.packb(header))
                     await write_frame(writer, snap.payload)
             except (ValueError, asyncio.TimeoutError) as e:
@@ -136,28 +184,173 @@ class StateServer:
             self._started = False
 
 
-async def fetch_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int,
-                      timeout_s: float = 180.0, max_state_bytes: int = MAX_STATE_BYTES) -> Tuple[str, StateSnapshot]:
-    """Ask ``peers`` in order for ``stage``'s state at committed iteration >= ``min_iteration``."""
+def _parse_header(raw: bytes, stage: int, min_iteration: int) -> dict:
+    header = msgpack.unpackb(raw, raw=False)
+    if not isinstance(header, dict):
+        raise ValueError("answer header is not a map")
+    if not header.get("ok"):
+        return header
+    it, digest = header.get("iteration"), header.get("digest", "")
+    if header.get("stage") != stage or isinstance(it, bool) or not isinstance(it, int) or it < min_iteration:
+        raise ValueError(f"answer is for stage {header.get('stage')!r:.20} iteration {it!r:.20}, asked stage {stage} "
+                         f"from iteration {min_iteration}")
+    if not isinstance(digest, str) or (digest and not _DIGEST_RE.fullmatch(digest)):
+        raise ValueError("answer's digest is not a SHA-256 hex string")
+    checksum = header.get("checksum")
+    if isinstance(checksum, bool) or not isinstance(checksum, (int, float)):
+        raise ValueError("answer's checksum is not a number")
+    return header
+
+
+async def _ask(p2p, run_id: str, peer: str, request: dict, timeout_s: float, max_state_bytes: int) -> dict:
+    """One request to ``peer``'s state handler: the checked header, plus ``payload`` unless it asked a sketch."""
     hivemind = import_hivemind()
-    errors = []
+    stage, min_iteration = request["stage"], request["min_iteration"]
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(peer), state_handler_name(run_id)), 30.0)
+    try:
+        await write_frame(writer, msgpack.packb(request))
+        header = _parse_header(await read_frame(reader, MAX_HEADER_BYTES + 16 * MAX_SKETCH_VALUES, timeout_s), stage,
+                               min_iteration)
+        if not header.get("ok"):
+            raise StateTransferError(str(header.get("error"))[:200])
+        if "sketch_nonce" not in request:
+            header["payload"] = await read_frame(reader, max_state_bytes, timeout_s)
+        return header
+    finally:
+        writer.close()
+
+
+async def fetch_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int, *,
+                      max_state_bytes: int, timeout_s: float = 180.0,
+                      expected: Optional[ExpectedState] = None) -> Tuple[str, StateSnapshot]:
+    """Ask ``peers`` in order for ``stage``'s state at committed iteration >= ``min_iteration``.
+
+    ``max_state_bytes`` bounds the answer (the receiver's :meth:`ExpectedState.max_bytes`). With
+    ``expected`` the blob is decoded here (never running code) and a peer whose blob does not fit
+    the receiver's stage, or whose weights do not match its own digest, is skipped like one that
+    did not answer; the decoded state is then on ``snap.state``."""
+    errors: List[str] = []
     for peer in peers:
-        try:
-            _, reader, writer = await asyncio.wait_for(
-                p2p.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(peer), state_handler_name(run_id)), 30.0)
-            try:
-                await write_frame(writer, msgpack.packb({"stage": stage, "min_iteration": min_iteration}))
-                header = msgpack.unpackb(await read_frame(reader, MAX_HEADER_BYTES, timeout_s), raw=False)
-                if not isinstance(header, dict):
-                    raise ValueError("answer header is not a map")
-                if not header.get("ok"):
-                    errors.append(f"{peer[-8:]}: {str(header.get('error'))[:200]}")
-                    continue
-                payload = await read_frame(reader, max_state_bytes, timeout_s)
-                return peer, StateSnapshot(int(header["stage"]), int(header["iteration"]), float(header["checksum"]),
-                                           payload)
-            finally:
-                writer.close()
-        except Exception as e:  # noqa: BLE001 - try the next replica
-            errors.append(f"{peer[-8:]}: {e!r}")
+        snap = await _fetch_one(p2p, run_id, peer, stage, min_iteration, max_state_bytes, timeout_s, expected, errors)
+        if snap is not None:
+            return peer, snap
     raise StateTransferError(f"no replica of stage {stage} handed over its state: " + ("; ".join(errors) or "none alive"))
+
+
+async def _fetch_one(p2p, run_id: str, peer: str, stage: int, min_iteration: int, max_state_bytes: int,
+                     timeout_s: float, expected: Optional[ExpectedState], errors: List[str]) -> Optional[StateSnapshot]:
+    try:
+        h = await _ask(p2p, run_id, peer, {"stage": stage, "min_iteration": min_iteration}, timeout_s, max_state_bytes)
+        snap = StateSnapshot(stage, h["iteration"], float(h["checksum"]), h["payload"], h.get("digest", ""))
+        if expected is not None:
+            # decoding copies and hashes the whole state: off the event loop
+            snap.state = await asyncio.get_running_loop().run_in_executor(None, snap.state_dict, expected)
+        return snap
+    except StateCodecError as e:
+        logger.warning("stage %d state from %s refused: %s", stage, peer[-8:], e)
+        errors.append(f"{peer[-8:]}: refused its state ({e})")
+    except Exception as e:  # noqa: BLE001 - try the next replica
+        errors.append(f"{peer[-8:]}: {e!r}"[:300])
+    return None
+
+
+async def fetch_sketches(p2p, run_id: str, peers: Sequence[str], stage: int, iteration: int, nonce: bytes,
+                         timeout_s: float = SKETCH_TIMEOUT_S) -> Dict[str, Tuple[int, List[float]]]:
+    """Ask every one of ``peers`` at once for its weights sketch at ``iteration`` (or later) under
+    ``nonce``: peer -> (iteration, sketch) of those that answered well-formed."""
+
+    async def one(peer: str) -> Optional[Tuple[int, List[float]]]:
+        try:
+            h = await _ask(p2p, run_id, peer, {"stage": stage, "min_iteration": iteration, "sketch_nonce": nonce},
+                           timeout_s, 0)
+        except Exception as e:  # noqa: BLE001 - a silent or broken replica makes no claim
+            logger.info("no weights sketch of stage %d from %s: %r", stage, peer[-8:], e)
+            return None
+        sketch = h.get("sketch")
+        if (not isinstance(sketch, list) or len(sketch) > MAX_SKETCH_VALUES
+                or not all(isinstance(x, float) for x in sketch)):
+            logger.info("malformed weights sketch of stage %d from %s", stage, peer[-8:])
+            return None
+        return h["iteration"], sketch
+
+    answers = await asyncio.gather(*(one(p) for p in peers))
+    return {p: a for p, a in zip(peers, answers) if a is not None}
+
+
+async def _signed_claims(dht, run_id: str, stage: int, nonce: bytes,
+                         others: Sequence[str]) -> Dict[str, Tuple[int, List[float]]]:
+    """The signed claims the other replicas stored for ``nonce`` (empty on a DHT miss or error)."""
+    try:
+        records = await asyncio.wait_for(read_state_claims(dht, run_id, stage, nonce, members=set(others)),
+                                         SKETCH_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - the direct answers still count
+        logger.info("reading the signed state claims of stage %d failed: %r", stage, e)
+        return {}
+    return {p: (r.iteration, list(r.sketch)) for p, r in (records or {}).items() if r.stage == stage}
+
+
+@dataclass
+class Verdict:
+    """Why a downloaded state was taken: who served it, who vouched for it, who disagreed."""
+
+    source: str
+    iteration: int
+    agree: List[str]
+    disagree: List[str]
+    silent: List[str]
+
+    @property
+    def alone(self) -> bool:
+        return not self.agree and not self.disagree
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "iteration": self.iteration, "backed_by": list(self.agree),
+                "disputed_by": list(self.disagree), "silent": list(self.silent)}
+
+
+async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int, *,
+                               expected: ExpectedState, timeout_s: float = 180.0,
+                               sketch_timeout_s: float = SKETCH_TIMEOUT_S, dht=None) -> Tuple[StateSnapshot, Verdict]:
+    """``stage``'s state from one of ``peers`` (tried in order), taken only when the other peers'
+    sketches of their weights at the same iteration back it (see the module docstring). A refused
+    source's state is dropped and the next peer tried, the peers that disagreed with it first. With
+    ``dht`` the peers' signed claims there take precedence over their direct answers."""
+    import os
+
+    errors: List[str] = []
+    order = list(dict.fromkeys(peers))
+    tried: set = set()
+    while True:
+        source = next((p for p in order if p not in tried), None)
+        if source is None:
+            raise StateTransferError(f"no replica of stage {stage} handed over state the others back: "
+                                     + ("; ".join(errors) or "none alive"))
+        tried.add(source)
+        snap = await _fetch_one(p2p, run_id, source, stage, min_iteration, expected.max_bytes(), timeout_s, expected,
+                                errors)
+        if snap is None:
+            continue
+        assert snap.state is not None
+        nonce = os.urandom(NONCE_BYTES)
+        others = [p for p in order if p != source]
+        loop = asyncio.get_running_loop()
+        mine, claims = await asyncio.gather(
+            loop.run_in_executor(None, weights_sketch, snap.state["model"], nonce),
+            fetch_sketches(p2p, run_id, others, stage, snap.iteration, nonce, sketch_timeout_s))
+        if dht is not None:
+            claims.update(await _signed_claims(dht, run_id, stage, nonce, others))
+        agree = [p for p, (it, sk) in claims.items() if it == snap.iteration and sketches_agree(mine, sk)]
+        disagree = [p for p, (it, sk) in claims.items() if it == snap.iteration and p not in agree]
+        verdict = Verdict(source, snap.iteration, agree, disagree, [p for p in others if p not in agree and p not in disagree])
+        if 1 + len(agree) > len(disagree):
+            if verdict.alone:
+                logger.warning("stage %d state of iteration %d taken from %s on its word alone: no other replica "
+                               "answered for that iteration", stage, snap.iteration, source)
+            return snap, verdict
+        logger.warning("stage %d state of iteration %d from %s refused: %d replica(s) hold other weights (%s), %d "
+                       "back it", stage, snap.iteration, source[-8:], len(disagree),
+                       ", ".join(p[-8:] for p in disagree), len(agree))
+        errors.append(f"{source[-8:]}: its weights were disputed by {len(disagree)} other replica(s)")
+        # the replicas that disputed it are the likeliest honest majority: try them next
+        order = [p for p in order if p in disagree] + [p for p in order if p not in disagree]

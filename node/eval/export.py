@@ -157,13 +157,34 @@ def export_checkpoints(paths: Sequence["str | os.PathLike"], out: "str | os.Path
     return export_loaded(load_checkpoint_dirs(list(paths)), out, tokenizer, corpus)
 
 
+def check_weights(loaded: LoadedModel) -> List[str]:
+    """Refuse a stage with non-finite weights (:class:`UserError`); return a warning per stage with
+    all-zero tensors (a trained stage has none). Both are what a broken or hostile replica serves,
+    and an export must not pass them on silently."""
+    warnings = []
+    for stage, module in enumerate(loaded.modules):
+        state = module.state_dict()
+        bad = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise UserError(f"stage {stage} holds non-finite weights (NaN or inf) in {len(bad)} tensors "
+                            f"({', '.join(bad[:3])}): refusing to export it")
+        zero = [k for k, t in state.items() if t.numel() and not bool(t.any())]
+        if zero:
+            warnings.append(f"stage {stage}: {len(zero)} of {len(state)} tensors are all zero ({', '.join(zero[:3])}"
+                            f"{', ...' if len(zero) > 3 else ''}); a trained stage has none: check where it came "
+                            "from before using this export")
+            logger.warning("%s", warnings[-1])
+    return warnings
+
+
 def export_loaded(loaded: LoadedModel, out: "str | os.PathLike", tokenizer: Optional[str] = None,
                   corpus: Optional[str] = None) -> Dict[str, object]:
     """Export stages already gathered (from checkpoints or live replicas); returns the command's summary."""
+    warnings = check_weights(loaded)
     tok = load_model_tokenizer(loaded, tokenizer, corpus)
     files = export_model(loaded, out, tok)
     return {"out": str(pathlib.Path(out).expanduser()), "iteration": loaded.iteration, "run_id": loaded.meta.get("run_id"),
             "n_stages": loaded.config.n_stages, "n_layers": loaded.config.n_layers,
             "parameters": sum(p.numel() for m in loaded.modules for p in m.parameters()),
             "sources": [str(p) for p in loaded.sources], "files": [f.name for f in files],
-            "tokenizer": tok.name, "vocab_size": tok.vocab_size}
+            "tokenizer": tok.name, "vocab_size": tok.vocab_size, "warnings": warnings}

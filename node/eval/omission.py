@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from node.train.checkpoint import Checkpoint, CheckpointStore
+from node.train.checkpoint import Checkpoint, CheckpointOldFormat, CheckpointStore
 from node.train.data import DataConfig
 from node.errors import UserError
 from node.train.model import ModelConfig, StageModule
@@ -120,7 +120,9 @@ def _read(file: pathlib.Path, stage: int) -> Checkpoint:
     store = CheckpointStore(run_dir.parent, run_dir.name, stage, file.stem)
     try:
         ckpt = store.load()
-    except Exception as e:  # torch.load raises many types on a torn or foreign file
+    except CheckpointOldFormat:
+        raise  # its one line names the converter
+    except Exception as e:  # noqa: BLE001 - one line for whatever a torn or foreign file raises
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"corrupt or unreadable checkpoint {file}: {reason[:200]}") from None
     if ckpt is None or not isinstance(ckpt.state, dict) or "model" not in ckpt.state:

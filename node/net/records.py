@@ -9,7 +9,10 @@ gets all members' records with one ``get``:
 * :class:`StartRecord` under ``<run>:trainstart``: the epoch, configuration and start iteration a
   member pinned (the start agreement, and a joiner's configuration check);
 * :class:`FinishedRecord` under ``<run>:trainfinished``: a member trained the run to its end (a late
-  joiner learns there is nothing left to train).
+  joiner learns there is nothing left to train);
+* :class:`StateClaimRecord` under ``<run>:stateclaim:<stage>:<nonce>``: what a replica says its stage's
+  weights are at an iteration (a sketch under a verifier's nonce), which a joiner or re-syncing
+  replica compares with the state it downloaded.
 
 A record is a dict with a schema version ``v``. Readers validate what other peers wrote: sizes are
 capped, numbers must be numbers (finite where a non-finite value has no meaning), and an entry whose
@@ -61,6 +64,10 @@ __all__ = [
     "read_start_records",
     "write_finished_record",
     "read_finished_records",
+    "StateClaimRecord",
+    "STATE_CLAIM_TTL_S",
+    "write_state_claim",
+    "read_state_claims",
     "sign_records",
     "rejected_counts",
     "MAX_RECORD_BYTES",
@@ -80,6 +87,10 @@ NORM_RECORD_TTL_S = 300.0
 START_RECORD_TTL_S = 3600.0
 #: A finished record tells late joiners the run is over; an hour is as long as anyone waits to join.
 FINISHED_RECORD_TTL_S = 3600.0
+#: A state claim is read once, seconds after it is written, by the verifier that asked for it.
+STATE_CLAIM_TTL_S = 300.0
+#: Values in one state claim's sketch (a few per tensor; a stage has at most a few thousand tensors).
+MAX_SKETCH_VALUES = 3 * 4096
 #: Slack on the expiry bound: members' DHT clocks disagree by a little.
 EXPIRY_SLACK_S = 60.0
 #: A DHT read that has not answered by then counts as a miss: hivemind can leave a search's future
@@ -248,6 +259,33 @@ class FinishedRecord:
         return cls(config=_config(d), iteration=_count(d, "iteration"), time=_number(d, "time"))
 
 
+@dataclass(frozen=True)
+class StateClaimRecord:
+    """A replica's sketch of its stage's weights at ``iteration`` under a verifier's nonce (the nonce is
+    in the key): its signed word about what it holds, compared with a downloaded state."""
+
+    stage: int
+    iteration: int
+    sketch: Tuple[float, ...]
+
+    def to_dict(self) -> dict:
+        return {"v": SCHEMA_VERSION, "stage": self.stage, "iteration": self.iteration, "sketch": list(self.sketch)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "StateClaimRecord":
+        d = _check_version(d)
+        sketch = d.get("sketch")
+        if not isinstance(sketch, (list, tuple)) or len(sketch) > MAX_SKETCH_VALUES:
+            raise RecordError(f"sketch must be a list of at most {MAX_SKETCH_VALUES} numbers")
+        if not all(isinstance(x, float) for x in sketch):
+            raise RecordError("sketch values must be floats")
+        return cls(stage=_count(d, "stage"), iteration=_count(d, "iteration"), sketch=tuple(sketch))
+
+
+def state_claim_key(run_id: str, stage: int, nonce: bytes) -> str:
+    return f"{run_id}:stateclaim:{int(stage)}:{bytes(nonce).hex()}"
+
+
 # ---------------------------------------------------------------------- DHT access
 _BINDING_ATTR = "_skippipe_record_signer"
 
@@ -411,3 +449,12 @@ async def write_finished_record(dht, run_id: str, peer_id: str, record: Finished
 async def read_finished_records(dht, run_id: str,
                                 members: Optional[Container[str]] = None) -> Optional[Dict[str, FinishedRecord]]:
     return await _read(dht, finished_key(run_id), FinishedRecord, FINISHED_RECORD_TTL_S, members)
+
+
+async def write_state_claim(dht, run_id: str, peer_id: str, nonce: bytes, record: StateClaimRecord) -> None:
+    await _write(dht, state_claim_key(run_id, record.stage, nonce), peer_id, record, STATE_CLAIM_TTL_S)
+
+
+async def read_state_claims(dht, run_id: str, stage: int, nonce: bytes,
+                            members: Optional[Container[str]] = None) -> Optional[Dict[str, StateClaimRecord]]:
+    return await _read(dht, state_claim_key(run_id, stage, nonce), StateClaimRecord, STATE_CLAIM_TTL_S, members)

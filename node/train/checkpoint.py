@@ -5,12 +5,18 @@ the folder), so a crash leaves either the old or the new file, never a torn one;
 K iterations and on clean shutdown, so a clean restart never loses a committed step.
 Layout: ``<root>/<run_id>/stage<k>/<node_name>.pt``.
 
-File format 2 (a disk can still flip bits, and a copy can be truncated): a fixed
-:data:`HEADER_BYTES`-byte header ``MAGIC | version | body length | SHA-256 of the body``, then the
-body, which is ``torch.save({"format", "iteration", "stage", "state", "meta", "run_config"})``. The
-body is hashed while it is written (no second copy in memory) and checked before anything of it is
-unpickled; a file whose hash, length or header does not match raises :class:`CheckpointCorrupt`
-naming the file. Format-1 files (a bare ``torch.save``, written before the hash existed) still load.
+File format 3 (a disk can still flip bits, a copy can be truncated, and a file may come from someone
+else): a fixed :data:`HEADER_BYTES`-byte header ``MAGIC | version | body length | SHA-256 of the
+body``, then the body: a safetensors blob (:mod:`node.dataplane.state_codec`) of the stage state,
+whose manifest also holds ``format``, ``iteration``, ``stage``, ``meta`` and ``run_config``. Reading
+it never runs code (no pickle); the hash is checked before the body is decoded, and a file whose
+hash, length, header or layout does not match raises :class:`CheckpointCorrupt` naming the file.
+
+Older files (format 1: a bare ``torch.save``; format 2: the same header around a ``torch.save``
+body) are pickles, and unpickling runs whatever code the file names. They are refused with one
+line (:class:`CheckpointOldFormat`) that names the converter, ``skippipe checkpoint convert PATH``
+(:func:`convert_checkpoint`), which reads them with ``torch.load(weights_only=True)`` (tensors and
+plain containers only: no code runs) and rewrites them in format 3.
 
 A crash between ``mkstemp`` and ``os.replace`` leaves a ``<name>.pt.<random>.tmp`` file behind: the
 first :meth:`CheckpointStore.save` of a process removes this replica's strays
@@ -20,7 +26,6 @@ first :meth:`CheckpointStore.save` of a process removes this replica's strays
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import pathlib
@@ -29,22 +34,23 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Dict, List, Optional
 
-import torch
-
+from node.dataplane.state_codec import ExpectedState, StateCodecError, decode_state, encode_state
 from node.errors import UserError
 
-__all__ = ["Checkpoint", "CheckpointStore", "CheckpointCorrupt", "CheckpointMismatch", "atomic_torch_save",
-           "read_checkpoint_file", "clean_stray_temp_files", "check_run_config", "FORMAT_VERSION"]
+__all__ = ["Checkpoint", "CheckpointStore", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointOldFormat",
+           "atomic_write", "read_checkpoint_file", "convert_checkpoint", "clean_stray_temp_files",
+           "check_run_config", "FORMAT_VERSION"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-#: First bytes of a format-2 checkpoint.
+FORMAT_VERSION = 3
+#: Formats written by earlier versions: pickles, read only by the converter.
+PICKLE_FORMATS = (1, 2)
+#: First bytes of a format-2 or format-3 checkpoint.
 MAGIC = b"SKIPPIPE-CKPT\x00\x00\x00"
 #: magic (16) | version (u32) | reserved (u32) | body length (u64) | sha256 (32) = 64 bytes
 _HEADER = struct.Struct(">16sIIQ32s")
 HEADER_BYTES = _HEADER.size
-_CHUNK = 1 << 20
 
 
 class CheckpointCorrupt(UserError, ValueError):
@@ -59,6 +65,19 @@ class CheckpointCorrupt(UserError, ValueError):
                          "or restore a good copy)")
 
 
+class CheckpointOldFormat(CheckpointCorrupt):
+    """A checkpoint in a pickle format (1 or 2): refused, because loading it could run code; one line
+    naming the file and the command that converts it. A kind of :class:`CheckpointCorrupt`, so every
+    caller that refuses an unreadable checkpoint refuses it too."""
+
+    def __init__(self, path: os.PathLike, version: int):
+        self.path, self.version = pathlib.Path(path), version
+        self.reason = f"old pickle format {version}"
+        UserError.__init__(self, f"checkpoint {self.path} is in the old pickle format {version}, which this version "
+                                 "does not load (it could run code); convert it once with: skippipe checkpoint "
+                                 f"convert {self.path}")
+
+
 class CheckpointMismatch(UserError):
     """A sound checkpoint of another run configuration (``--resume`` with other hyper-parameters)."""
 
@@ -70,54 +89,7 @@ class Checkpoint:
     state: Dict[str, Any]  # StageRuntime.state_dict()
     meta: Dict[str, Any]
     run_config: Optional[Dict[str, Any]] = None  # the trainer's run configuration when it was saved
-    sha256: Optional[str] = field(default=None)  # content hash of the body (None: format-1 file)
-
-
-class _HashingWriter:
-    """File-like that hashes and counts what torch.save writes through it."""
-
-    def __init__(self, f: BinaryIO):
-        self.f, self.sha, self.count = f, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.count += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-class _Window(io.RawIOBase):
-    """Read-only view of ``length`` bytes of ``f`` from ``offset``: lets torch.load read the body in place."""
-
-    def __init__(self, f: BinaryIO, offset: int, length: int):
-        super().__init__()
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        n = min(len(buffer), max(0, self.length - self.pos))
-        if n == 0:
-            return 0
-        self.f.seek(self.offset + self.pos)
-        data = self.f.read(n)
-        buffer[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+    sha256: Optional[str] = field(default=None)  # content hash of the body
 
 
 def _fsync_dir(folder: pathlib.Path) -> None:
@@ -128,18 +100,16 @@ def _fsync_dir(folder: pathlib.Path) -> None:
         os.close(dir_fd)
 
 
-def atomic_torch_save(obj: Any, path: pathlib.Path) -> str:
-    """Write ``obj`` as a format-2 checkpoint file at ``path`` atomically; returns the body's SHA-256 (hex)."""
+def atomic_write(body: bytes, path: pathlib.Path) -> str:
+    """Write ``body`` behind a format-3 header at ``path`` atomically; returns the body's SHA-256 (hex)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sha = hashlib.sha256(body)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(bytes(HEADER_BYTES))  # placeholder until the hash is known
-            writer = _HashingWriter(f)
-            torch.save(obj, writer)
-            f.seek(0)
-            f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, writer.count, writer.sha.digest()))
+            f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), sha.digest()))
+            f.write(body)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -150,62 +120,114 @@ def atomic_torch_save(obj: Any, path: pathlib.Path) -> str:
             pass
         raise
     _fsync_dir(path.parent)
-    return writer.sha.hexdigest()
+    return sha.hexdigest()
 
 
-def read_checkpoint_file(path: os.PathLike) -> tuple[dict, Optional[str]]:
-    """``(payload dict, sha256 hex or None for a format-1 file)``; :class:`CheckpointCorrupt` if the file is bad.
+def _read_verified_body(path: pathlib.Path, f: BinaryIO, size: int) -> tuple[bytes, str]:
+    """The body of a format-3 file after checking header, length and hash; :class:`CheckpointCorrupt` else."""
+    head = f.read(HEADER_BYTES)
+    if head[: len(MAGIC)] != MAGIC:
+        raise CheckpointOldFormat(path, 1) if _looks_like_pickle(head) else CheckpointCorrupt(
+            path, "not a checkpoint (unknown header)")
+    if len(head) < HEADER_BYTES:
+        raise CheckpointCorrupt(path, f"truncated header ({size} bytes)")
+    _, version, _, length, digest = _HEADER.unpack(head)
+    if version in PICKLE_FORMATS:
+        raise CheckpointOldFormat(path, version)
+    if version != FORMAT_VERSION:
+        raise CheckpointCorrupt(path, f"unknown format version {version}")
+    if size != HEADER_BYTES + length:
+        raise CheckpointCorrupt(path, f"truncated or extended: {size - HEADER_BYTES} body bytes, header says {length}")
+    body = f.read(length)
+    if len(body) != length:
+        raise CheckpointCorrupt(path, "truncated while reading")
+    sha = hashlib.sha256(body)
+    if sha.digest() != digest:
+        raise CheckpointCorrupt(path, "content hash mismatch (the file was altered or damaged)")
+    return body, sha.hexdigest()
 
-    The hash is checked (streaming) before any of the body is unpickled.
-    """
+
+def _looks_like_pickle(head: bytes) -> bool:
+    """A format-1 file: torch.save's zip archive (``PK``) or a legacy raw pickle (protocol opcode ``0x80``)."""
+    return head[:2] == b"PK" or head[:1] == b"\x80"
+
+
+def read_checkpoint_file(path: os.PathLike, expected: Optional[ExpectedState] = None) -> tuple[dict, str]:
+    """``(payload dict, sha256 hex)`` of a format-3 file, the payload holding ``format``, ``iteration``,
+    ``stage``, ``meta``, ``run_config`` and ``state``. :class:`CheckpointCorrupt` if the file is bad,
+    :class:`CheckpointOldFormat` if it is a pickle of an older version. Nothing in it is executed; with
+    ``expected`` (the stage it is loaded into) its tensors must have exactly that stage's names and shapes."""
     path = pathlib.Path(path)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(HEADER_BYTES)
-            if head[: len(MAGIC)] != MAGIC:
-                return _read_legacy(path, f), None
-            if len(head) < HEADER_BYTES:
-                raise CheckpointCorrupt(path, f"truncated header ({size} bytes)")
-            _, version, _, length, digest = _HEADER.unpack(head)
-            if version != FORMAT_VERSION:
-                raise CheckpointCorrupt(path, f"unknown format version {version}")
-            if size != HEADER_BYTES + length:
-                raise CheckpointCorrupt(path, f"truncated or extended: {size - HEADER_BYTES} body bytes, header says "
-                                              f"{length}")
-            sha = hashlib.sha256()
-            remaining = length
-            while remaining:
-                chunk = f.read(min(_CHUNK, remaining))
-                if not chunk:
-                    raise CheckpointCorrupt(path, "truncated while reading")
-                sha.update(chunk)
-                remaining -= len(chunk)
-            if sha.digest() != digest:
-                raise CheckpointCorrupt(path, "content hash mismatch (the file was altered or damaged)")
-            try:
-                payload = torch.load(io.BufferedReader(_Window(f, HEADER_BYTES, length), _CHUNK), map_location="cpu",
-                                     weights_only=False)
-            except Exception as e:  # noqa: BLE001 - hash matched, so this is a foreign or buggy writer
-                raise CheckpointCorrupt(path, f"unreadable body: {_first_line(e)}") from None
+            body, digest = _read_verified_body(path, f, os.fstat(f.fileno()).st_size)
     except OSError as e:
         raise CheckpointCorrupt(path, f"cannot read it: {e.strerror or e}") from None
-    if not isinstance(payload, dict):
-        raise CheckpointCorrupt(path, "not a checkpoint (no payload map)")
-    return payload, sha.hexdigest()
-
-
-def _read_legacy(path: pathlib.Path, f: BinaryIO) -> dict:
-    """A format-1 file (bare torch.save, no hash): the best we can do is whether torch can read it."""
-    f.seek(0)
     try:
-        payload = torch.load(f, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - torch raises many types on a torn or foreign file
-        raise CheckpointCorrupt(path, f"not a readable checkpoint: {_first_line(e)}") from None
-    if not isinstance(payload, dict) or payload.get("format") != 1:
+        manifest, state = decode_state(body, expected)
+    except StateCodecError as e:  # the hash matched, so this is a foreign or buggy writer
+        raise CheckpointCorrupt(path, f"unreadable body: {_first_line(e)}") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointCorrupt(path, f"body says format {manifest.get('format')!r:.20}")
+    manifest["state"] = state
+    return manifest, digest
+
+
+def convert_checkpoint(path: os.PathLike) -> bool:
+    """Rewrite a format-1 or format-2 checkpoint at ``path`` in format 3 (atomically, in place); True
+    when it was rewritten, False when it already was format 3 (then it is only checked).
+
+    The old body is read with ``torch.load(weights_only=True)``: torch's restricted unpickler, which
+    builds tensors and plain containers and refuses everything else, so a file carrying code fails
+    (:class:`CheckpointCorrupt`) without running it. A format-2 file's hash is checked first."""
+    import io
+
+    import torch
+
+    path = pathlib.Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointCorrupt(path, f"cannot read it: {e.strerror or e}") from None
+    if data[: len(MAGIC)] == MAGIC:
+        if len(data) < HEADER_BYTES:
+            raise CheckpointCorrupt(path, f"truncated header ({len(data)} bytes)")
+        _, version, _, length, digest = _HEADER.unpack(data[:HEADER_BYTES])
+        if version == FORMAT_VERSION:
+            read_checkpoint_file(path)
+            return False
+        if version != 2:
+            raise CheckpointCorrupt(path, f"unknown format version {version}")
+        body = data[HEADER_BYTES:]
+        if len(body) != length or hashlib.sha256(body).digest() != digest:
+            raise CheckpointCorrupt(path, "content hash mismatch or truncated (the file was altered or damaged)")
+    else:
+        body = data
+    try:
+        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types on a torn file or a refused global
+        raise CheckpointCorrupt(path, f"not a plain checkpoint (refused without running it): {_first_line(e)}") \
+            from None
+    if not isinstance(payload, dict) or payload.get("format") not in PICKLE_FORMATS or "state" not in payload:
         raise CheckpointCorrupt(path, "not a checkpoint (unknown layout)")
-    logger.warning("checkpoint %s has no content hash (format 1); it is rewritten with one at the next save", path)
-    return payload
+    try:
+        write_checkpoint(path, int(payload["iteration"]), int(payload["stage"]), payload["state"],
+                         dict(payload.get("meta") or {}), payload.get("run_config"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointCorrupt(path, f"incomplete payload: {_first_line(e)}") from None
+    return True
+
+
+def write_checkpoint(path: pathlib.Path, iteration: int, stage: int, state: Dict[str, Any],
+                     meta: Dict[str, Any], run_config: Optional[Dict[str, Any]]) -> str:
+    """Encode and atomically write one format-3 checkpoint; returns its body's SHA-256 (hex)."""
+    manifest = {"format": FORMAT_VERSION, "iteration": int(iteration), "stage": int(stage), "meta": dict(meta),
+                "run_config": dict(run_config) if run_config is not None else None}
+    try:
+        body = encode_state(state, manifest)
+    except StateCodecError as e:
+        raise ValueError(f"cannot checkpoint this state: {e}") from None
+    return atomic_write(body, path)
 
 
 def _first_line(e: BaseException) -> str:
@@ -239,7 +261,7 @@ def check_run_config(ckpt: Checkpoint, run_config: Dict[str, Any], path: os.Path
                      keys: Optional[List[str]] = None) -> None:
     """Raise :class:`CheckpointMismatch` (one line naming ``path`` and the differing keys) when ``ckpt`` was
     saved under another run configuration. Only ``keys`` are compared (default: all keys both have);
-    a checkpoint without a recorded configuration (format 1) passes."""
+    a checkpoint without a recorded configuration (one converted from format 1) passes."""
     saved = ckpt.run_config
     if saved is None:
         return
@@ -270,22 +292,24 @@ class CheckpointStore:
              run_config: Optional[Dict[str, Any]] = None) -> pathlib.Path:
         if not self._cleaned:
             self.clean_stray_temp_files()
-        payload = {"format": FORMAT_VERSION, "iteration": iteration, "stage": self.stage, "state": state,
-                   "meta": dict(meta or {}), "run_config": dict(run_config) if run_config is not None else None}
-        digest = atomic_torch_save(payload, self.path)
+        digest = write_checkpoint(self.path, iteration, self.stage, state, dict(meta or {}), run_config)
         logger.debug("checkpoint of stage %d at iteration %d -> %s (sha256 %s)", self.stage, iteration, self.path,
                      digest[:16])
         return self.path
 
-    def load(self) -> Optional[Checkpoint]:
-        """The checkpoint, None if there is none; :class:`CheckpointCorrupt` (one line naming the file) if bad."""
+    def load(self, expected: Optional[ExpectedState] = None) -> Optional[Checkpoint]:
+        """The checkpoint, None if there is none; :class:`CheckpointCorrupt` (one line naming the file) if bad,
+        :class:`CheckpointOldFormat` (one line naming the converter) if written in a pickle format."""
         if not self.path.exists():
             return None
-        payload, digest = read_checkpoint_file(self.path)
+        payload, digest = read_checkpoint_file(self.path, expected)
         if payload.get("stage") != self.stage:
             raise CheckpointCorrupt(self.path, f"holds stage {payload.get('stage')!r}, not stage {self.stage}")
         try:
+            run_config = payload.get("run_config")
+            if run_config is not None and not isinstance(run_config, dict):
+                raise TypeError("run_config is not a map")
             return Checkpoint(int(payload["iteration"]), int(payload["stage"]), payload["state"],
-                              dict(payload.get("meta") or {}), payload.get("run_config"), digest)
+                              dict(payload.get("meta") or {}), run_config, digest)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointCorrupt(self.path, f"incomplete payload: {_first_line(e)}") from None

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 
 from node.net.records import NormRecord, read_norm_records, write_norm_record
 from protocol.messages import NormReport
@@ -42,23 +42,40 @@ from node.train.screening import AveragingScreen, robust_squared_norm
 if TYPE_CHECKING:
     from node.train.trainer import TrainerNode
 
-__all__ = ["IterationCommit", "resync_source", "global_squared_norm", "norm_report", "record_of_report"]
+__all__ = ["IterationCommit", "resync_source", "majority_replicas", "global_squared_norm", "norm_report",
+           "record_of_report"]
 
 logger = logging.getLogger(__name__)
 
 
+def majority_replicas(replicas: Mapping[str, Tuple[int, float]], stage: int, tolerance: float) -> List[str]:
+    """The largest group of ``stage``'s replicas (peer -> (stage, checksum)) whose checksums agree within
+    ``tolerance``, sorted; ties go to the group holding the lowest peer id. Only replicas with finite
+    parameters count (a NaN one would spread)."""
+    ours = sorted(p for p, (s, checksum) in replicas.items() if s == stage and math.isfinite(checksum))
+    groups: List[List[str]] = []
+    for p in ours:  # each group is anchored at its lowest peer id's checksum
+        anchor = next((g for g in groups if _close(replicas[g[0]][1], replicas[p][1], tolerance)), None)
+        if anchor is None:
+            groups.append([p])
+        else:
+            anchor.append(p)
+    return min(groups, key=lambda g: (-len(g), g[0])) if groups else []
+
+
+def _close(theirs: float, mine: float, tolerance: float) -> bool:
+    return math.isfinite(mine) and abs(theirs - mine) <= tolerance * max(1.0, abs(theirs))
+
+
 def resync_source(replicas: Mapping[str, Tuple[int, float]], mine: float, stage: int, me: str,
                   tolerance: float) -> Optional[str]:
-    """The replica to copy from when ours diverged (a failed all-reduce): the lowest peer id of our
-    stage among ``replicas`` (peer -> (stage, checksum)); None when we agree with it (or are it).
-    Only a replica with finite parameters can be a source (a NaN one would spread)."""
-    ours = sorted(p for p, (s, checksum) in replicas.items() if s == stage and math.isfinite(checksum))
-    if not ours or ours[0] == me:
+    """The replica to copy from when ours diverged (a failed all-reduce, a bad member): the lowest peer
+    id of the stage's majority (:func:`majority_replicas`), not merely the lowest peer id, so one
+    diverged replica cannot drag the others to its weights; None when we agree with the majority."""
+    group = majority_replicas(replicas, stage, tolerance)
+    if not group or me in group or _close(replicas[group[0]][1], mine, tolerance):
         return None
-    theirs = replicas[ours[0]][1]
-    if math.isfinite(mine) and abs(theirs - mine) <= tolerance * max(1.0, abs(theirs)):
-        return None
-    return ours[0]
+    return group[0]
 
 
 def global_squared_norm(records: Mapping[str, NormRecord]) -> float:
@@ -177,6 +194,8 @@ class IterationCommit:
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
         t_norm = time.perf_counter()
         source = self._resync_source(records, mine.checksum)
+        majority = majority_replicas(self._trusted_checksums(records), node.stage,
+                                     self.cfg.resync_tolerance) if source is not None else []
         # a member whose own report was left out steps on nothing (its gradient is the outlier)
         finite = math.isfinite(total_sq) and math.isfinite(mine.sq) and node.peer_id not in verdict.excluded
         # fp16: a member whose loss scale differs from the canonical data node's skips, like on an overflow,
@@ -195,7 +214,7 @@ class IterationCommit:
             node.stage_state.state_iteration = it
 
         if source is not None:
-            await self._resync(source, it)
+            await self._resync(source, it, majority)
         else:
             await node.pipeline.compute(step)
         n_mb = sum(r.n_mb for r in records.values())
@@ -403,25 +422,32 @@ class IterationCommit:
         return time.monotonic()
 
     # ------------------------------------------------------------------ resync
+    def _trusted_checksums(self, records: Mapping[str, NormRecord]) -> Dict[str, Tuple[int, float]]:
+        """(stage, checksum) of this node and of every member it trusts: a replica this node banned or
+        caught misbehaving (a poisoned round, a lying report) is neither a source nor part of a majority."""
+        node = self.node
+        return {p: (r.stage, r.checksum) for p, r in records.items() if p == node.peer_id or node.health.trusted(p)}
+
     def _resync_source(self, records: Mapping[str, NormRecord], mine: float) -> Optional[str]:
         node = self.node
-        # a replica this node banned or caught misbehaving (a poisoned round, a lying report) is no source
-        source = resync_source({p: (r.stage, r.checksum) for p, r in records.items()
-                                if p == node.peer_id or node.health.trusted(p)}, mine, node.stage,
-                               node.peer_id, self.cfg.resync_tolerance)
+        source = resync_source(self._trusted_checksums(records), mine, node.stage, node.peer_id,
+                               self.cfg.resync_tolerance)
         if source is not None:
             self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g); re-syncing",
                              node.stage, source[-8:], mine, records[source].checksum)
         return source
 
-    async def _resync(self, source: str, it: int) -> None:
-        """Take ``source``'s state right after its step of ``it`` instead of stepping ourselves."""
-        from node.dataplane.state_transfer import StateTransferError, fetch_state
+    async def _resync(self, source: str, it: int, majority: List[str]) -> None:
+        """Take the state of the stage's majority right after its step of ``it`` (from ``source`` when
+        the others back it) instead of stepping ourselves."""
+        from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
 
         node = self.node
+        peers = [source] + [p for p in majority if p not in (source, node.peer_id)]
         try:
-            _, snap = await fetch_state(node.p2p, self.cfg.run_id, [source], node.stage, it,
-                                        timeout_s=self.cfg.state_fetch_timeout_s)
+            snap, _ = await fetch_verified_state(node.p2p, self.cfg.run_id, peers, node.stage, it,
+                                                 expected=node.stage_state.expected(),
+                                                 timeout_s=self.cfg.state_fetch_timeout_s, dht=node.dht)
         except StateTransferError as e:
             self.log.warning("re-sync failed (%s); stepping on our own", e)
 
@@ -431,7 +457,7 @@ class IterationCommit:
 
             await node.pipeline.compute(step_unclipped)
             return
-        state = await node.pipeline.compute(snap.state_dict)
+        state = snap.state
 
         def load() -> None:
             node.runtime.load_state_dict(state)

@@ -351,6 +351,9 @@ class TrainerService:
             "is_data_node": bool(t.is_data_node) if t is not None and t.runtime is not None else None,
             "start_iteration": self.start_iteration,
             "committed_iteration": t.committed_iteration if t is not None else None,
+            # a joiner: whom its stage state came from, and which replicas backed or disputed it
+            "state_source": (t.stage_state.trusted.to_dict()
+                             if t is not None and getattr(t.stage_state, "trusted", None) is not None else None),
             "iterations": self.iterations,
             "overcommits": t.overcommits if t is not None else 0,
             # per-member DHT records this node ignored (forged, unsealed, of a non-member...), by reason

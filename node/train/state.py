@@ -8,12 +8,10 @@ from scratch; and every node serves its own state to joiners and to replicas tha
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 from typing import TYPE_CHECKING, Optional
 
-import torch
-
+from node.dataplane.state_codec import ExpectedState, encode_state, weights_digest, weights_sketch
 from node.train.checkpoint import CheckpointStore, check_run_config
 from node.train.common import JoinFailed, NodeLog
 
@@ -32,6 +30,10 @@ __all__ = ["StageState"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a replica spends storing its signed state claim before it answers anyway (the verifier
+#: counts the direct answer when the DHT has no record).
+CLAIM_WRITE_TIMEOUT_S = 10.0
+
 
 class StageState:
     """Checkpoints, mid-run joins and the state server of one :class:`TrainerNode`."""
@@ -44,6 +46,7 @@ class StageState:
         self.server = None
         self.state_iteration = -1  # iteration the runtime's weights belong to (set on the compute thread)
         self.last_saved = -1
+        self.trusted = None  # the Verdict of the last downloaded state: whom it came from, who backed it
 
     def restore(self) -> bool:
         """Open the checkpoint store and, with ``resume``, load the last checkpoint; True if one was loaded."""
@@ -53,7 +56,7 @@ class StageState:
         self.checkpoints = CheckpointStore(self.cfg.checkpoint_dir, self.cfg.run_id, node.stage, node.node_name)
         if not self.cfg.resume:
             return False
-        ckpt = self.checkpoints.load()  # CheckpointCorrupt: one line naming the file
+        ckpt = self.checkpoints.load(self.expected())  # CheckpointCorrupt/OldFormat: one line naming the file
         if ckpt is None:
             return False
         check_run_config(ckpt, checkpoint_run_config(self.cfg), self.checkpoints.path)
@@ -66,24 +69,30 @@ class StageState:
         """Hand this stage's state to joiners and re-syncing replicas."""
         from node.dataplane.state_transfer import StateServer
 
-        self.server = StateServer(self.node.p2p, self.cfg.run_id, self._snapshot, allow=allow)
+        self.server = StateServer(self.node.p2p, self.cfg.run_id, self._snapshot, allow=allow, sketch=self._sketch)
         await self.server.start()
 
     async def join(self, start: int, have_checkpoint: bool) -> None:
         """Mid-run join: take the stage's weights and optimizer state from a live replica (committed
-        iteration ``start - 1``), else from our own checkpoint; never silently from scratch."""
-        from node.dataplane.state_transfer import StateTransferError, fetch_state
+        iteration ``start - 1``), else from our own checkpoint; never silently from scratch. The
+        state is decoded without running code, checked against this stage's tensors, and taken only
+        when the stage's other replicas back it (:func:`fetch_verified_state`)."""
+        from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
 
         node = self.node
-        # live replicas first, but ask the others too: under load a live peer's advert can lapse for
-        # a moment, and a dead one only costs a failed dial
+        expected = self.expected()
+        # live replicas first (then by peer id, so every joiner asks in the same order), but ask the
+        # others too: under load a live peer's advert can lapse for a moment, and a dead one only costs
+        # a failed dial
         peers = sorted((p for p in node.epochs.replicas(node.stage) if p != node.peer_id),
-                       key=lambda p: not node.health.is_alive(p))
+                       key=lambda p: (not node.health.is_alive(p), p))
         snap, error, peer = None, None, None
         for attempt in range(1, self.cfg.state_fetch_attempts + 1):
             try:
-                peer, snap = await fetch_state(node.p2p, self.cfg.run_id, peers, node.stage, start - 1,
-                                               timeout_s=self.cfg.state_fetch_timeout_s)
+                snap, verdict = await fetch_verified_state(node.p2p, self.cfg.run_id, peers, node.stage, start - 1,
+                                                           expected=expected, timeout_s=self.cfg.state_fetch_timeout_s,
+                                                           dht=node.dht)
+                peer, self.trusted = verdict.source, verdict
                 break
             except StateTransferError as e:
                 error = e
@@ -101,16 +110,48 @@ class StageState:
             node.committed_iteration = self.state_iteration = start - 1
             node.current_iteration = start
             return
-        state = await node.pipeline.compute(snap.state_dict)
+        state = snap.state
         await node.pipeline.compute(lambda: node.runtime.load_state_dict(state))
         node.committed_iteration = self.state_iteration = snap.iteration
         node.current_iteration = snap.iteration + 1
-        self.log.info("joined stage %d with the state of iteration %d from %s", node.stage, snap.iteration, peer[-8:])
+        self.log.info("joined stage %d with the state of iteration %d from %s (backed by %d other replica(s)%s)",
+                      node.stage, snap.iteration, peer[-8:], len(self.trusted.agree),
+                      f", disputed by {len(self.trusted.disagree)}" if self.trusted.disagree else "")
 
     async def _snapshot(self, stage: int, min_iteration: int):
         """State server callback: this stage's state once iteration ``min_iteration`` is committed."""
         from node.dataplane.state_transfer import StateSnapshot
 
+        node = self.node
+        await self._wait_for(stage, min_iteration)
+
+        def snap():
+            state, it = node.runtime.state_dict(), self.state_iteration
+            blob = encode_state(state, {"stage": node.stage, "iteration": it})
+            return StateSnapshot(node.stage, it, node.runtime.checksum(), blob, weights_digest(state["model"]))
+
+        return await node.pipeline.compute(snap)
+
+    async def _sketch(self, stage: int, min_iteration: int, nonce: bytes):
+        """State server callback: ``(iteration, weights_sketch)`` once ``min_iteration`` is committed."""
+        from node.net.records import StateClaimRecord, write_state_claim
+
+        node = self.node
+        await self._wait_for(stage, min_iteration)
+        it, sketch = await node.pipeline.compute(
+            lambda: (self.state_iteration, weights_sketch(node.runtime.module.state_dict(), nonce)))
+        if it >= 0:  # the same word, signed, in the DHT (the verifier prefers it to the direct answer)
+            try:
+                await asyncio.wait_for(write_state_claim(node.dht, self.cfg.run_id, node.peer_id, nonce,
+                                                         StateClaimRecord(node.stage, it, tuple(sketch))),
+                                       CLAIM_WRITE_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the direct answer carries the claim too
+                self.log.info("storing the state claim of iteration %d failed: %r", it, e)
+        return it, sketch
+
+    async def _wait_for(self, stage: int, min_iteration: int) -> None:
         node = self.node
         if node.runtime is None or stage != node.stage:
             raise ValueError(f"stage {stage} is not held here")
@@ -119,12 +160,10 @@ class StageState:
                 raise ValueError("trainer is shutting down")
             await asyncio.sleep(0.05)
 
-        def snap():
-            buf = io.BytesIO()
-            torch.save(node.runtime.state_dict(), buf)
-            return StateSnapshot(node.stage, self.state_iteration, node.runtime.checksum(), buf.getvalue())
-
-        return await node.pipeline.compute(snap)
+    def expected(self) -> ExpectedState:
+        """What this node's stage holds: downloaded state must have exactly these tensors."""
+        assert self.node.runtime is not None
+        return ExpectedState.of_module(self.node.runtime.module)
 
     async def save(self) -> None:
         """Checkpoint the last committed iteration (once per iteration)."""

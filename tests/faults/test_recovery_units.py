@@ -32,6 +32,16 @@ def test_resync_copies_the_lowest_finite_replica_only():
     assert _node("a")._resync_source(dict(records, a={"stage": 1, "checksum": math.nan}), math.nan) == "b"
 
 
+def test_resync_follows_the_majority_not_the_lowest_peer_id():
+    """Three replicas; "a" (the lowest id, the old canonical source) diverged: the others keep their
+    weights and "a" copies the majority's lowest id."""
+    records = {"a": {"stage": 1, "checksum": 99.0}, "b": {"stage": 1, "checksum": 10.0},
+               "c": {"stage": 1, "checksum": 10.0 + 1e-7}, "d": {"stage": 0, "checksum": 1.0}}
+    assert _node("b")._resync_source(records, 10.0) is None
+    assert _node("c")._resync_source(records, 10.0 + 1e-7) is None
+    assert _node("a")._resync_source(records, 99.0) == "b"
+
+
 def test_last_bit_noise_of_an_allreduce_is_not_a_divergence():
     """Measured on skippipe up: ordinary rounds leave checksums of ~130 equal to 9 digits (below
     5e-7 apart); a failed round left 130.243528 vs 130.172493. Only the second must trigger a state download."""

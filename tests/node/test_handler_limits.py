@@ -158,7 +158,7 @@ def test_handlers_survive_huge_frames_garbage_and_stalls(tmp_path):
                 assert await _ping(p2p, peer) == b"p"
                 rtt_ms, bandwidth = await probe_link(p2p, peer)
                 assert rtt_ms > 0 and bandwidth > 0
-                _, snap = await fetch_state(p2p, RUN_ID, [info["peer_id"]], 0, 3, timeout_s=60)
+                _, snap = await fetch_state(p2p, RUN_ID, [info["peer_id"]], 0, 3, timeout_s=60, max_state_bytes=2 << 20)
                 assert snap.iteration == 3 and len(snap.payload) == 1 << 20
                 assert await call_p2p(p2p, peer, "echo", {"x": 1}, timeout=30) == {"x": 1}
                 assert _rss_mb(pid) - before < RSS_BOUND_MB
@@ -184,13 +184,15 @@ def test_members_only_when_access_control_is_on(tmp_path):
                     with pytest.raises((asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError)):
                         await _ping(outsider, peer)
                     with pytest.raises(StateTransferError):
-                        await fetch_state(outsider, RUN_ID, [info["peer_id"]], 0, 0, timeout_s=30)
+                        await fetch_state(outsider, RUN_ID, [info["peer_id"]], 0, 0, timeout_s=30,
+                                          max_state_bytes=2 << 20)
                     with pytest.raises(RpcCallError, match="access denied"):
                         await call_p2p(outsider, peer, "echo", {"x": 1}, timeout=30)
                     assert await call_p2p(outsider, peer, "hello", {"x": 2}, timeout=30) == {"x": 2}
                     # the member: everything
                     assert await _ping(member, peer) == b"p"
-                    _, snap = await fetch_state(member, RUN_ID, [info["peer_id"]], 0, 0, timeout_s=60)
+                    _, snap = await fetch_state(member, RUN_ID, [info["peer_id"]], 0, 0, timeout_s=60,
+                                                max_state_bytes=2 << 20)
                     assert len(snap.payload) == 1 << 20
                     assert await call_p2p(member, peer, "echo", {"x": 3}, timeout=30) == {"x": 3}
                 finally:

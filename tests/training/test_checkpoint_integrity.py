@@ -69,12 +69,73 @@ def test_foreign_file_is_refused(tmp_path):
         store.load()
 
 
-def test_format_1_checkpoints_still_load(tmp_path):
+def _format_2(path, payload: dict) -> None:
+    """A checkpoint as the previous version wrote it: the 64-byte header around a torch.save body."""
+    import hashlib
+    import io
+    import struct
+
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    body = buf.getvalue()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack(">16sIIQ32s", b"SKIPPIPE-CKPT\x00\x00\x00", 2, 0, len(body),
+                                 hashlib.sha256(body).digest()) + body)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_pickle_checkpoints_are_refused_with_the_converter_named_then_converted(tmp_path, version):
+    from node.train.checkpoint import CheckpointOldFormat, convert_checkpoint
+
     store = CheckpointStore(tmp_path, "run", 2, "old")
-    store.path.parent.mkdir(parents=True)
-    torch.save({"format": 1, "iteration": 4, "stage": 2, "state": _state(), "meta": {}}, store.path)
+    payload = {"format": version, "iteration": 4, "stage": 2, "state": _state(), "meta": {"checksum": 2.5}}
+    if version == 1:
+        store.path.parent.mkdir(parents=True)
+        torch.save(payload, store.path)
+    else:
+        _format_2(store.path, {**payload, "run_config": {"seed": 0}})
+    with pytest.raises(CheckpointOldFormat) as info:
+        store.load()
+    _one_line_naming(info.value, store.path)
+    assert f"skippipe checkpoint convert {store.path}" in str(info.value)
+    convert_checkpoint(store.path)
     ckpt = store.load()
-    assert ckpt.iteration == 4 and ckpt.sha256 is None and ckpt.run_config is None
+    assert ckpt.iteration == 4 and ckpt.meta == {"checksum": 2.5} and ckpt.sha256 is not None
+    assert ckpt.run_config == ({"seed": 0} if version == 2 else None)
+    assert torch.equal(ckpt.state["model"]["w"], _state()["model"]["w"])
+
+
+class _SideEffect:
+    """Unpickling this object creates ``marker``: what a hostile checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_pickle_with_code_is_never_run_by_load_eval_or_the_converter(tmp_path, capsys, version):
+    from node.cli import main
+
+    marker = tmp_path / "pwned"
+    store = CheckpointStore(tmp_path / "ck", "run", 0, "evil")
+    payload = {"format": version, "iteration": 4, "stage": 0, "state": {"model": {"w": torch.zeros(2)}},
+               "meta": {"x": _SideEffect(marker)}}
+    if version == 1:
+        store.path.parent.mkdir(parents=True)
+        torch.save(payload, store.path)
+    else:
+        _format_2(store.path, payload)
+    with pytest.raises(UserError):
+        store.load()
+    assert main(["eval", "--checkpoint", str(tmp_path / "ck" / "run")]) == 2
+    assert main(["export", "--from", str(tmp_path / "ck" / "run"), "--out", str(tmp_path / "hf")]) == 2
+    assert main(["checkpoint", "convert", str(store.path)]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists(), "unpickling ran the file's code"
+    assert "Traceback" not in err and len([line for line in err.splitlines() if line.startswith("error:")]) == 3, err
 
 
 def test_stray_temp_files_are_cleaned_at_the_first_save(tmp_path):
@@ -115,3 +176,16 @@ def test_resume_under_another_run_config_names_file_and_keys(tmp_path):
         check_run_config(ckpt, {"lr": 2e-3, "seed": 0, "model": "tiny"}, store.path)
     assert "lr" in str(info.value) and "seed" not in str(info.value)
     _one_line_naming(info.value, store.path)
+
+
+def test_convert_command_rewrites_a_folder_of_old_checkpoints(tmp_path, capsys):
+    from node.cli import main
+
+    stores = [CheckpointStore(tmp_path, "run", s, f"node{s}") for s in (0, 1)]
+    for s, store in enumerate(stores):
+        _format_2(store.path, {"format": 2, "iteration": 3, "stage": s, "state": _state(s), "meta": {}})
+    assert main(["checkpoint", "convert", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("converted ") == 2
+    assert [store.load().iteration for store in stores] == [3, 3]
+    assert main(["checkpoint", "convert", str(tmp_path)]) == 0  # already format 3: checked, left alone
+    assert capsys.readouterr().out.count("already in the current format") == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -63,6 +64,26 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert main(["export", "--peer", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:"), err
+
+
+@pytest.mark.parametrize("fill", [math.nan, 0.0])
+def test_export_refuses_non_finite_weights_and_warns_about_all_zero_ones(tmp_path, capsys, fill):
+    from node.train.checkpoint import CheckpointStore
+
+    dirs = save_node_checkpoints(tmp_path / "ckpt")
+    store = CheckpointStore(dirs[1], "run1", 1, "peer1")
+    ckpt = store.load()
+    store.save(ckpt.iteration, {"model": {k: torch.full_like(v, fill) for k, v in ckpt.state["model"].items()}},
+               ckpt.meta)
+    code = main(["export", "--from", *map(str, dirs), "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if math.isnan(fill):
+        lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and "stage 1 holds non-finite weights" in lines[0], err
+        assert not (tmp_path / "hf").exists()
+    else:
+        assert code == 0 and "warning: stage 1: " in err and "all zero" in err, err
 
 
 def test_generate_and_eval_take_gathered_checkpoints(tmp_path, capsys):
