@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from typing import List, Optional
 
 __all__ = ["summary_differences", "summary_digest", "MAX_SHOWN_VALUE_CHARS"]
@@ -19,8 +20,14 @@ __all__ = ["summary_differences", "summary_digest", "MAX_SHOWN_VALUE_CHARS"]
 MAX_SHOWN_VALUE_CHARS = 60
 
 
+#: How a peer's value is shown: a few levels deep at most (a deeply nested value must not recurse).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist = 3, 8, 8
+_REPR.maxstring = _REPR.maxother = MAX_SHOWN_VALUE_CHARS
+
+
 def _shown(value: object) -> str:
-    text = repr(value)
+    text = _REPR.repr(value)
     return text if len(text) <= MAX_SHOWN_VALUE_CHARS else text[:MAX_SHOWN_VALUE_CHARS] + "..."
 
 
