@@ -7,6 +7,8 @@ Real ``skippipe node run --train`` daemons on 127.0.0.1 (tiny model, one torch t
   founder and the honest member train to the end, and no epoch ever names it;
 * the same joiner arrives while the run trains: it exits the same way, training goes on, and no epoch
   ever names it;
+* a peer that answers its admission challenge, enters an epoch and then goes silent (its adverts
+  stay fresh) is dropped: a later epoch leaves it out and training goes on;
 * an outsider announces 30 identities (adverts signed with 30 keys, copying the run's configuration
   digest, but no daemon behind them) to a training swarm: they show ONLINE in the founder's view,
   yet no epoch ever names one of them (they never answer their admission challenge), and training
@@ -50,6 +52,7 @@ class EpochWatch(threading.Thread):
     def __init__(self, node):
         super().__init__(daemon=True)
         self.node, self.members, self.epochs = node, set(), set()
+        self.latest: tuple = (0, ())  # (number, members) of the newest epoch seen
         self.stop_event = threading.Event()
 
     def run(self) -> None:
@@ -59,6 +62,8 @@ class EpochWatch(threading.Thread):
                 if s.get("epoch") is not None:
                     self.epochs.add(int(s["epoch"]))
                     self.members.update(s.get("members") or ())
+                    if int(s["epoch"]) > self.latest[0]:
+                        self.latest = (int(s["epoch"]), tuple(s.get("members") or ()))
             except Exception:  # noqa: BLE001 - a busy daemon answers next time
                 pass
             self.stop_event.wait(0.5)
@@ -160,12 +165,13 @@ def test_a_mismatched_joiner_mid_run_is_refused_and_training_goes_on(tmp_path):
 
 
 class Faker(threading.Thread):
-    """An outsider: a plain DHT client that keeps re-announcing ``FAKES`` signed adverts of stage 1,
-    one per made-up identity, at an address where nothing answers."""
+    """An outsider: a plain DHT client that keeps re-announcing signed adverts of stage 1, one per
+    identity (``FAKES`` made-up ones unless ``keys`` are given), at ``maddrs`` (by default an address
+    where nothing answers)."""
 
-    def __init__(self, swarm: ProcessSwarm, digest: str):
+    def __init__(self, swarm: ProcessSwarm, digest: str, keys=None, maddrs: tuple = ("/ip4/127.0.0.1/tcp/9",)):
         super().__init__(daemon=True)
-        self.swarm, self.digest = swarm, digest
+        self.swarm, self.digest, self.keys, self.maddrs = swarm, digest, keys, tuple(maddrs)
         self.ids: list[str] = []
         self.stop_event = threading.Event()
         self.stored = 0
@@ -213,7 +219,7 @@ class Faker(threading.Thread):
             def merge_with(self, other) -> bool:
                 return False
 
-        signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(FAKES)]
+        signers = [RSASignatureValidator(k) for k in (self.keys or [RSAPrivateKey() for _ in range(FAKES)])]
         owners = [s.local_public_key for s in signers]
         self.ids = [peer_id_from_rsa_public_key(o[len(b"[owner:"):-1]) for o in owners]
         # the advert carries the run's configuration digest where this protocol has one
@@ -224,7 +230,7 @@ class Faker(threading.Thread):
             while not self.stop_event.is_set():
                 for peer_id, owner in zip(self.ids, owners):
                     advert = StageAdvert(
-                        run_id=self.swarm.run_id, peer_id=peer_id, gossip_peer_id="", maddrs=("/ip4/127.0.0.1/tcp/9",),
+                        run_id=self.swarm.run_id, peer_id=peer_id, gossip_peer_id="", maddrs=self.maddrs,
                         gossip_maddrs=(), stages=(1,), state="ONLINE", compute_s_per_sample_per_layer=1e-6,
                         memory_slots=8, free_slots=8, protocol_version=self.swarm_protocol(), rpc_port=None,
                         location=None, timestamp=time.time(), **extra)  # fmt: skip
@@ -286,3 +292,93 @@ def test_thirty_fake_adverts_never_enter_an_epoch_and_training_goes_on(tmp_path)
     fakes_in_epochs = set(faker.ids) & watch.members
     assert not fakes_in_epochs, f"{len(fakes_in_epochs)} fakes entered a schedule epoch"
     assert status["admission"]["failed"] >= FAKES, status["admission"]
+
+
+class Squatter(threading.Thread):
+    """A peer that earns its place and then goes silent: a real libp2p host with its own identity that
+    answers admission challenges like a daemon (it computes nothing), until ``silence`` is set; then
+    its host shuts down while its adverts (a :class:`Faker` with its key) stay fresh."""
+
+    def __init__(self, key_path, digest: str):
+        super().__init__(daemon=True)
+        self.key_path, self.digest = key_path, digest
+        self.maddrs: list[str] = []
+        self.up, self.silence, self.done = threading.Event(), threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        import asyncio
+
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.up.set()
+            self.done.set()
+
+    async def _main(self) -> None:
+        import asyncio
+
+        import node.compat  # noqa: F401
+        from hivemind.p2p import P2P
+
+        from node.net.identity import load_or_create_identity
+        from node.net.rpc import RpcServer
+
+        me = load_or_create_identity(self.key_path).peer_id.to_base58()
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(self.key_path))
+        rpc = RpcServer()
+
+        async def admit(params: dict) -> dict:
+            return {"nonce": params.get("nonce"), "peer_id": me, "config_digest": self.digest, "stages": [1]}
+
+        rpc.register("admit", admit)
+        await rpc.attach_p2p(p2p)
+        self.maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+        self.up.set()
+        while not self.silence.is_set():
+            await asyncio.sleep(0.2)
+        await asyncio.wait_for(p2p.shutdown(), 30)
+
+
+def test_a_member_that_goes_silent_is_dropped_and_training_goes_on(tmp_path):
+    from node.net.identity import load_or_create_identity
+
+    swarm = ProcessSwarm(2, [1, 1], base_dir=tmp_path / "swarm", run_id="silent-member", heartbeat_s=1.0,
+                         extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}"))
+    key_path = tmp_path / "squatter.key"
+    squatter_id = load_or_create_identity(key_path).peer_id.to_base58()
+    watch = squatter = announcer = None
+    try:
+        swarm.start(timeout=240)
+        watch = EpochWatch(swarm.nodes[0])
+        watch.start()
+        wait_for(swarm, [0, 1], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1) >= 2,
+                 400, "training to start")
+        view = call_http(swarm.nodes[0].rpc_url, "swarm", {})
+        digest = next((p.get("config_digest") or "") for p in view["peers"] if p["peer_id"] == swarm.nodes[0].peer_id)
+        squatter = Squatter(key_path, digest)
+        squatter.start()
+        assert squatter.up.wait(120) and squatter.error is None, squatter.error
+        announcer = Faker(swarm, digest, keys=[load_or_create_identity(key_path).private_key],
+                          maddrs=tuple(squatter.maddrs))
+        announcer.start()
+        wait_for(swarm, [0], lambda s: squatter_id in watch.members, 300, "the squatter to enter an epoch")
+        squatter.silence.set()  # from now on nothing answers at its address; its adverts stay fresh
+        seen = training_state(swarm.nodes[0], limit=1)["committed_iteration"]
+        wait_for(swarm, [0, 1], lambda s: s.get("state") == "training" and squatter_id not in watch.latest[1]
+                 and s["committed_iteration"] >= seen + 20, 400, "training to go on without the silent member")
+        status = call_http(swarm.nodes[0].rpc_url, "status", {})
+    finally:
+        if announcer is not None:
+            announcer.stop_event.set()
+            announcer.join(timeout=60)
+        if squatter is not None:
+            squatter.silence.set()
+            squatter.join(timeout=60)
+        if watch is not None:
+            watch.stop()
+        swarm.stop()
+    assert announcer.error is None, announcer.error
+    assert squatter_id[-8:] in status["admission"]["silent"], status["admission"]
