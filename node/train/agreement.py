@@ -129,6 +129,7 @@ class RunAgreement:
         deadline = time.monotonic() + self.agreement_timeout_s
         not_after = float(epoch.issued_at) - 5.0  # older confirmations belong to an earlier session
         gone_since: dict = {}  # member -> when it was first seen gone (not alive in the host's view)
+        ahead_since: dict = {}  # member -> when it was first seen pinning an epoch this node has not adopted
         while True:
             records = await read_start_records(dht, self.run_id, members=set(epoch.members)) or {}
             found = {p: r for p, r in records.items() if p in epoch.members and r.time >= not_after
@@ -137,6 +138,10 @@ class RunAgreement:
             if any(r.epoch > epoch.epoch and adopted is not None and adopted.epoch >= r.epoch for r in found.values()):
                 raise RepinEpoch(f"members pinned schedule epoch {adopted.epoch}, newer than {epoch.epoch}")
             now = time.monotonic()
+            for peer in [p for p, r in found.items() if r.epoch > epoch.epoch]:
+                # a newer epoch reaches this node within seconds; one that never does was never issued
+                if now - ahead_since.setdefault(peer, now) < self.gone_grace_s:
+                    del found[peer]
             for peer in epoch.members:  # a member that died or left (e.g. its checkpoint failed) cannot confirm
                 if peer in found or self.host.peer_alive(peer):
                     gone_since.pop(peer, None)
