@@ -53,8 +53,10 @@ RETRY_AFTER_S = 15.0
 MAX_CONCURRENT_CHALLENGES = 8
 #: Most peers remembered per table (admitted, retry times, probe failures); the oldest go first.
 MAX_TRACKED = 1024
-#: Seconds between two probes of the same epoch member.
-MEMBER_PROBE_EVERY_S = 5.0
+#: Seconds between two probes of the same epoch member: every node probes every member, so this sets
+#: the probe traffic (20 members: about 2 small RPCs per second per node); a third of SILENT_AFTER_S
+#: gives the 3 failed probes that make a member silent.
+MEMBER_PROBE_EVERY_S = 10.0
 #: Most members probed per round (oldest probe first): every node probes the members, so this bounds
 #: the swarm's probe traffic to members x this per heartbeat whatever the epoch's size.
 MAX_PROBES_PER_ROUND = 4
