@@ -74,6 +74,10 @@ class RunAgreement:
         #: a member of the pinned epoch gone this long (out of the host's view, or OFFLINE) no longer holds
         #: up the start: longer than an advert lapse of a live node under load, far shorter than the timeout
         self.gone_grace_s = 15.0
+        #: a node left out of a run in progress compares its configuration with the members' start records
+        #: this often: epochs never admit a node with another configuration, so without the check one that
+        #: joined through a peer that does not train would wait for ever instead of saying why
+        self.config_check_s = 10.0
 
     @property
     def debounce_s(self) -> float:
@@ -86,7 +90,7 @@ class RunAgreement:
         after leaving (``after`` = (epoch we left, iteration)), the next one that includes us again.
         None when ``stopping`` is set while waiting for such a re-join."""
         me = str(self.host.peer_id)
-        seen, since, said = None, time.monotonic(), None
+        seen, since, said, checked = None, time.monotonic(), None, time.monotonic()
         while True:
             epoch = self.host.current_epoch
             if after is not None and epoch is not None and (
@@ -103,6 +107,9 @@ class RunAgreement:
                 if joining or time.monotonic() - since >= self.debounce_s:
                     return epoch
             elif epoch is not None:
+                if me not in epoch.members and time.monotonic() - checked >= self.config_check_s:
+                    checked = time.monotonic()
+                    await self.check_joining_config()
                 self.waiting = (f"epoch {number} has {len(epoch.members)} members (need {self.min_members})"
                                 + ("" if me in epoch.members else ", not including this node: waiting for an "
                                    "epoch that adds it"))
@@ -218,7 +225,11 @@ class RunAgreement:
     async def check_joining_config(self) -> None:
         """A joiner skips the start barrier, but must still train with the run's hyper-parameters."""
         me = str(self.host.peer_id)
-        records = await read_start_records(self.host.dht, self.run_id, members=self._run_members()) or {}
+        try:
+            records = await read_start_records(self.host.dht, self.run_id, members=self._run_members()) or {}
+        except Exception:  # noqa: BLE001 - unknown for now: asked again later
+            self.log.debug("could not read the run's start records", exc_info=True)
+            return
         for peer, record in [(p, r) for p, r in records.items() if p != me][:1]:
             diff = summary_differences(self.summary, record.config)
             if diff:

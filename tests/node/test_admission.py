@@ -6,6 +6,7 @@ with its edge cases (fake views and hosts, no network)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 
@@ -218,3 +219,22 @@ def test_at_the_start_barrier_the_majority_leaves_a_disagreeing_member_out():
         agreement._settle(epoch, forged, 0)
     assert set(host.left) == {"C"}
     agreement._settle(epoch, {"A": _record(good), "B": _record(good)}, 0)  # all agree: nothing happens
+
+
+async def test_a_node_left_waiting_outside_a_run_with_another_configuration_says_why(monkeypatch):
+    """A joiner that came in through a peer that does not train passed no handshake check; epochs never
+    admit it, so while it waits it compares its configuration with the members' start records."""
+    import node.train.agreement as agreement_module
+
+    good, bad = {"model": {"d_model": 64}}, {"model": {"d_model": 32}}
+    epoch = SimpleNamespace(epoch=3, members=("A", "B"), start_iteration=40)
+    host = SimpleNamespace(peer_id="J", current_epoch=epoch, config=SimpleNamespace(heartbeat_s=1.0), dht=None)
+
+    async def records(dht, run_id, members=None):
+        return {p: _record(good, epoch=1) for p in members}
+
+    monkeypatch.setattr(agreement_module, "read_start_records", records)
+    waiting = RunAgreement(host, "r", bad, min_members=1, start_debounce_s=0.0, agreement_timeout_s=1.0, poll_s=0.01)
+    waiting.config_check_s = 0.0
+    with pytest.raises(TrainingDisagreement, match="model.d_model: 32 here, 64 there"):
+        await asyncio.wait_for(waiting.choose_epoch(), 30)  # a hang guard: it used to wait for ever
