@@ -107,7 +107,8 @@ class RunAgreement:
                 if joining or time.monotonic() - since >= self.debounce_s:
                     return epoch
             elif epoch is not None:
-                if me not in epoch.members and time.monotonic() - checked >= self.config_check_s:
+                if (me not in epoch.members and int(epoch.start_iteration) > 0
+                        and time.monotonic() - checked >= self.config_check_s):
                     checked = time.monotonic()
                     await self.check_joining_config()
                 self.waiting = (f"epoch {number} has {len(epoch.members)} members (need {self.min_members})"
@@ -223,14 +224,19 @@ class RunAgreement:
         return any(not summary_differences(self.summary, r.config) for p, r in records.items() if p != me)
 
     async def check_joining_config(self) -> None:
-        """A joiner skips the start barrier, but must still train with the run's hyper-parameters."""
+        """A joiner skips the start barrier, but must still train with the run's hyper-parameters: it
+        stops when no member's start record matches its configuration (one that does is this session's;
+        a differing one may be a member's record of an earlier session), naming the newest record's
+        differences."""
         me = str(self.host.peer_id)
         try:
             records = await read_start_records(self.host.dht, self.run_id, members=self._run_members()) or {}
         except Exception:  # noqa: BLE001 - unknown for now: asked again later
             self.log.debug("could not read the run's start records", exc_info=True)
             return
-        for peer, record in [(p, r) for p, r in records.items() if p != me][:1]:
-            diff = summary_differences(self.summary, record.config)
-            if diff:
-                raise TrainingDisagreement(f"training configuration differs from {peer[-8:]}: " + "; ".join(diff))
+        others = sorted(((p, r) for p, r in records.items() if p != me), key=lambda pr: -pr[1].time)
+        if not others or any(not summary_differences(self.summary, r.config) for _, r in others):
+            return
+        peer, record = others[0]
+        diff = summary_differences(self.summary, record.config)
+        raise TrainingDisagreement(f"training configuration differs from {peer[-8:]}: " + "; ".join(diff))

@@ -238,3 +238,23 @@ async def test_a_node_left_waiting_outside_a_run_with_another_configuration_says
     waiting.config_check_s = 0.0
     with pytest.raises(TrainingDisagreement, match="model.d_model: 32 here, 64 there"):
         await asyncio.wait_for(waiting.choose_epoch(), 30)  # a hang guard: it used to wait for ever
+
+
+async def test_a_joiner_matching_one_member_record_is_not_refused(monkeypatch):
+    """A member's record of an earlier session (another configuration) must not refuse a joiner that
+    matches this session's records."""
+    import node.train.agreement as agreement_module
+
+    good, old = {"model": {"d_model": 64}}, {"model": {"d_model": 32}}
+    host = SimpleNamespace(peer_id="J", current_epoch=SimpleNamespace(epoch=3, members=("A", "B"), start_iteration=40),
+                           dht=None)
+
+    async def records(dht, run_id, members=None):
+        return {"A": _record(good), "B": _record(old)}
+
+    monkeypatch.setattr(agreement_module, "read_start_records", records)
+    joiner = RunAgreement(host, "r", good, min_members=1, start_debounce_s=0.0, agreement_timeout_s=1.0, poll_s=0.01)
+    await joiner.check_joining_config()
+    with pytest.raises(TrainingDisagreement):
+        await RunAgreement(host, "r", {"model": {"d_model": 16}}, min_members=1, start_debounce_s=0.0,
+                           agreement_timeout_s=1.0, poll_s=0.01).check_joining_config()
