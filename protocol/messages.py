@@ -233,6 +233,10 @@ class NormReport:
                                    f"at most {NORM_REPORT_MAX_EPOCH_BYTES} bytes")
 
 
+#: Longest configuration digest an advert may carry (a hex SHA-256 is 64).
+MAX_CONFIG_DIGEST_CHARS = 64
+
+
 @register_message
 @dataclass(frozen=True)
 class StageAdvert:
@@ -254,9 +258,14 @@ class StageAdvert:
     rpc_port: int | None
     location: str | None
     timestamp: float
+    #: Digest of the training configuration this peer trains ("" when it does not train): members
+    #: admit only peers with their own digest into a schedule epoch.
+    config_digest: str = ""
 
     def validate(self, options: DecodeOptions) -> None:
-        """Known state, non-negative counts, finite compute speed and a valid port."""
+        """Known state, non-negative counts, finite compute speed, a valid port and a short digest."""
+        if len(self.config_digest) > MAX_CONFIG_DIGEST_CHARS:
+            raise MalformedMessage(f"StageAdvert.config_digest longer than {MAX_CONFIG_DIGEST_CHARS} characters")
         if self.state not in PEER_STATES:
             raise MalformedMessage(f"StageAdvert.state must be one of {sorted(PEER_STATES)}, got {self.state[:100]!r}")
         _non_negative("StageAdvert", memory_slots=self.memory_slots, free_slots=self.free_slots)

@@ -14,8 +14,14 @@ trainer) says nothing against it: a joiner whose data plane is not up yet does n
 while a member data node is ONLINE, since the start iteration it would compute knows nothing of
 the run's progress (with no member data node left it goes ahead: someone has to include it).
 
+Membership is earned (:mod:`node.swarm.admission`): an epoch names only peers that train this
+node's configuration (their advert's ``config_digest``) and that were admitted (answered a challenge)
+or are members already; silent members and peers left out at the start barrier are dropped; a running
+swarm adds at most ``MAX_NEW_MEMBERS_PER_EPOCH`` peers per epoch.
+
 Every node validates an epoch before adopting it: right run, signed by the key behind a known
-ONLINE data node's advert, every member known, and ``validate_schedule`` passes. Among valid
+ONLINE data node's advert, coordinator and members training this node's configuration, every member
+known, and ``validate_schedule`` passes. Among valid
 epochs the winner is the highest epoch number, ties broken by the lowest coordinator id, so all
 nodes converge on the same one even if two coordinators raced.
 """
@@ -29,6 +35,7 @@ import time
 from typing import Awaitable, Callable
 
 from node.net.identity import NodeIdentity, verify_rsa_signature
+from node.swarm.admission import Admission, new_members_allowed
 from node.swarm.states import NodeState
 from node.swarm.view import PeerEntry, SwarmView
 from protocol.messages import ScheduleEpoch
@@ -164,6 +171,8 @@ class Coordinator:
         on_adopt: Callable[[ScheduleEpoch], None],
         progress: Callable[[float], int | None] | None = None,
         join_lead_s: float = DEFAULT_JOIN_LEAD_S,
+        admission: Admission | None = None,
+        config_digest: str = "",
     ):
         self.run_id = run_id
         self.identity = identity
@@ -179,6 +188,9 @@ class Coordinator:
         #: first iteration a new epoch may start at (the local trainer's view), None if not training
         self._progress = progress
         self.join_lead_s = join_lead_s
+        #: who may enter an epoch (None: every ONLINE peer with our configuration digest, as in unit tests)
+        self.admission = admission
+        self.config_digest = admission.config_digest if admission is not None else config_digest
         self.current: ScheduleEpoch | None = None
         self.status = "waiting for members"
         self._pending: dict[tuple[int, str], ScheduleEpoch] = {}
@@ -193,7 +205,22 @@ class Coordinator:
     # ------------------------------------------------------------------ who coordinates
     def candidates(self) -> list[str]:
         """ONLINE data nodes in rank order: members of the current epoch first (see the module docstring)."""
-        return rank_candidates([e.peer_id for e in self.view.online() if 0 in e.advert.stages], self.current)
+        return rank_candidates([e.peer_id for e in self.eligible() if 0 in e.advert.stages], self.current)
+
+    def eligible(self) -> list[PeerEntry]:
+        """ONLINE peers that may be in the next epoch: our configuration, not silent or left out, and
+        members already or admitted (see :mod:`node.swarm.admission`)."""
+        members = set(self.current.members) if self.current is not None else set()
+        out = []
+        for e in self.view.online():
+            if str(getattr(e.advert, "config_digest", "")) != self.config_digest and e.peer_id != self.self_id:
+                continue
+            a = self.admission
+            if a is not None and not (a.may_join(e.peer_id, e.advert)
+                                      and (e.peer_id in members or a.is_admitted(e.peer_id))):
+                continue
+            out.append(e)
+        return out
 
     def _blocked(self) -> str | None:
         if self.blocker is None:
@@ -205,7 +232,15 @@ class Coordinator:
             return None
 
     def target_membership(self) -> tuple[list[PeerEntry], dict[str, int]]:
-        online = self.view.online()
+        online = self.eligible()
+        members = set(self.current.members) if self.current is not None else None
+        cap = new_members_allowed(members)
+        if cap is not None and self.admission is not None:
+            new = [e for e in online if e.peer_id not in members and e.peer_id != self.self_id]
+            if len(new) > cap:  # the earliest admitted first; the rest wait for a later epoch
+                new.sort(key=lambda e: (self.admission.admitted.get(e.peer_id, 0.0), e.peer_id))
+                held = {e.peer_id for e in new[cap:]}
+                online = [e for e in online if e.peer_id not in held]
         return online, assign_stages(online, self.run.num_stages)
 
     # ------------------------------------------------------------------ periodic work
@@ -351,9 +386,15 @@ class Coordinator:
             return self._park(epoch, "coordinator is not a known ONLINE data node")
         if not verify_rsa_signature(entry.public_key, epoch.signing_payload(), epoch.signature):
             return "bad signature"
+        if str(getattr(entry.advert, "config_digest", "")) != self.config_digest:
+            return "coordinator trains another configuration"
         unknown = [m for m in epoch.members if self.view.get(m) is None or self.view.get(m).state == NodeState.OFFLINE]
         if unknown:
             return self._park(epoch, f"unknown members {unknown[:3]}")
+        other = [m for m in epoch.members if m != self.self_id
+                 and str(getattr(self.view.get(m).advert, "config_digest", "")) != self.config_digest]
+        if other:
+            return f"members {[m[-8:] for m in other[:3]]} train another configuration"
         try:
             schedule = Schedule.from_json(epoch.schedule)
             validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())

@@ -7,8 +7,8 @@ Start-up order matters and is chosen so that failures surface early and clearly:
 3. ``hivemind.P2P`` (our p2pd) with the RSA identity; bootstrapping to ``--initial-peers`` here
    turns an unreachable peer into an immediate error;
 4. RPC (libp2p handler + local HTTP) and the link-probe handler;
-5. ``hello`` handshake with an initial peer: refuses a wrong run id or protocol version, and
-   fetches the run configuration (stages, path length) the founding node chose;
+5. ``hello`` handshake with an initial peer: refuses a wrong run id, protocol version or training
+   configuration (before announcing anything), and fetches the founder's run configuration;
 6. ``hivemind.DHT(p2p=...)`` built in an executor (its constructor blocks for seconds), sharing
    our p2pd, with the signature + content record validators;
 7. py-libp2p gossip in trio guest mode, peers found through the DHT adverts;
@@ -65,8 +65,10 @@ from node.swarm.config import DaemonConfig
 from node.swarm.coordinator import DEFAULT_BANDWIDTH_Bps, Coordinator, RunConfig
 from node.swarm.gossip import GossipService
 from node.swarm.gossip_access import GossipAccessControl
-from node.swarm.handshake import choose_stages, founding_run_config, handshake
+from node.swarm.handshake import choose_stages, founding_run_config, handshake, services_summary
 from node.net.ping import PING_PROTOCOL, PingHandler
+from node.net.runconfig import summary_digest
+from node.swarm.admission import Admission, challenge_over_p2p
 from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
 from node.swarm.rpc_api import DaemonRpcApi, members_only
@@ -122,6 +124,11 @@ class Daemon:
         #: The run configuration (stages, path length, ...): the founder's, or the one hello returned.
         self.run: RunConfig | None = None
         self.stages: tuple[int, ...] = ()
+        #: What this node trains (a service's ``run_summary(run)``; None: nothing) and its digest (in adverts)
+        self.training_summary: dict | None = None
+        self.config_digest = ""
+        #: Who has earned a place in an epoch (challenges, silent members; :mod:`node.swarm.admission`).
+        self.admission: Admission | None = None
         self.state = NodeState.JOINING
         #: why a service could not go on (:meth:`report_failure`); None while all is well
         self.failure: str | None = None
@@ -222,7 +229,13 @@ class Daemon:
         if peer_id == self.peer_id:
             return True
         entry = self.view.get(peer_id) if self.view is not None else None
-        return entry is not None and entry.state != NodeState.OFFLINE
+        silent = self.admission is not None and peer_id in self.admission.silent  # live advert, no answers
+        return entry is not None and entry.state != NodeState.OFFLINE and not silent
+
+    def leave_out(self, peer_id: str, reason: str) -> None:
+        """Never admit ``peer_id`` into an epoch again (it pinned another run at the start barrier)."""
+        self.admission.leave_out(peer_id, reason)
+        self.membership.refresh_now.set()
 
     def verify_epoch(self, epoch: ScheduleEpoch) -> bool:
         """True if ``epoch`` is of our run and signed by its coordinator as our view knows it."""
@@ -270,25 +283,12 @@ class Daemon:
             rpc_port=self.rpc.http_port,
             location=cfg.location,
             timestamp=time.time(),
+            config_digest=self.config_digest,
         )
 
     def gossip_maddrs(self) -> list[str]:
-        """Where peers reach our gossip host: announced hosts, else our visible p2pd hosts, at its port."""
-        if self.gossip is None:
-            return []
-        addrs = []
-        for m in self.gossip.maddrs:
-            port = Multiaddr(m).value_for_protocol("tcp")
-            if self.config.announce_maddrs:
-                for host, _ in startup.tcp_ports(self.config.announce_maddrs):
-                    addrs.append(f"/ip4/{host}/tcp/{port}")
-            elif "/ip4/0.0.0.0/" in m:
-                addrs.extend(
-                    f"/ip4/{Multiaddr(v).value_for_protocol('ip4')}/tcp/{port}" for v in self.maddrs if "/ip4/" in v
-                )
-            else:
-                addrs.append(m.split("/p2p/")[0])
-        return sorted(set(addrs))
+        """Where peers reach our gossip host (see :func:`node.swarm.startup.gossip_maddrs`)."""
+        return startup.gossip_maddrs(self.config, self.gossip, self.maddrs)
 
     def status_json(self) -> dict:
         epoch, m = self.current_epoch, self.membership
@@ -322,6 +322,7 @@ class Daemon:
                 "gossip_dropped_from": self.gossip_access.most_dropped(),
             },
             "coordinator_status": self.coordinator.status if self.coordinator else None,
+            "admission": self.admission.status() if self.admission else None,
             "missing_stages": self.missing_stages(),
         }
 
@@ -341,6 +342,7 @@ class Daemon:
             asyncio.create_task(self.membership.view_loop(), name="view"),
             asyncio.create_task(self.prober.loop(), name="link-probes"),
             asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
+            asyncio.create_task(self.membership.admission_loop(), name="admission"),
         ]
         try:
             for service in self.services:
@@ -387,11 +389,15 @@ class Daemon:
         """The run configuration (handshake or founding), the DHT, the view and our stages."""
         cfg = self.config
         await self.p2p.add_binary_stream_handler(PING_PROTOCOL, PingHandler(allow=self.is_peer_allowed))
+        reply = None
         if cfg.initial_peers:
-            self.run = await handshake(self.p2p, cfg, self.access, self.peer_id, self.protocol_version,
-                                       self._initial_ids, self.log)
+            reply = await handshake(self.p2p, cfg, self.access, self.peer_id, self.protocol_version,
+                                    self._initial_ids, self.log)
+            self.run = reply.run
         else:
             self.run = founding_run_config(cfg)
+        self.training_summary = services_summary(self.services, self.run, reply)
+        self.config_digest = summary_digest(self.training_summary)
         validators = make_record_validators(self.identity.private_key, self.access)
         self.dht = await startup.create_dht(self.p2p, cfg, validators, self.log)
         owner = make_record_validators(self.identity.private_key)[0].local_public_key
@@ -412,6 +418,8 @@ class Daemon:
             self.membership.on_gossip,
         )
         await self.gossip.start()
+        self.admission = Admission(self.peer_id, self.config_digest, challenge_over_p2p(self), lambda: self.stages,
+                                   self.log)
         self.coordinator = Coordinator(
             run_id=cfg.run_id,
             identity=self.identity,
@@ -424,6 +432,7 @@ class Daemon:
             publish=self.membership.publish_epoch,
             on_adopt=self._on_adopt,
             progress=lambda lead_s=0.0: self.training_progress(lead_s) if self.training_progress is not None else None,
+            admission=self.admission,
         )
         await self.membership.catch_up()
 

@@ -8,6 +8,7 @@ protocol version stops the joiner with one clear line instead of a swarm that si
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 from hivemind.p2p import P2P, PeerID
@@ -15,16 +16,49 @@ from hivemind.p2p import P2P, PeerID
 from node.errors import UserError
 from node.net.access import HELLO_PROOF_PARAM, SwarmAccess
 from node.net.rpc import RpcCallError, call_p2p
+from node.net.runconfig import summary_differences
 from node.swarm.config import DaemonConfig
 from node.swarm.coordinator import RunConfig
 from node.swarm.view import SwarmView
 
-__all__ = ["DEFAULT_NUM_STAGES", "founding_run_config", "handshake", "choose_stages"]
+__all__ = ["DEFAULT_NUM_STAGES", "HelloReply", "founding_run_config", "handshake", "check_training_summary",
+           "choose_stages", "services_summary"]
 
 logger = logging.getLogger(__name__)
 
 #: Default number of stages of a new swarm when neither --stages nor --num-stages says.
 DEFAULT_NUM_STAGES = 2
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    """What the initial peer said: the run configuration, who said it, and the training summary it trains
+    (None when it does not train, or for a founding node, which asked nobody)."""
+
+    run: RunConfig
+    peer_id: str = ""
+    training: dict | None = None
+
+
+def check_training_summary(mine: dict | None, reply: HelloReply) -> None:
+    """Refuse to join a run that trains something else: one error line naming every differing field,
+    before this node announces itself (so it never becomes a candidate member, let alone stops the run)."""
+    if mine is None or reply.training is None:
+        return
+    diff = summary_differences(mine, reply.training)
+    if diff:
+        raise UserError(f"training configuration differs from the run's (as {reply.peer_id[-8:] or 'the initial peer'} "
+                        f"trains it): " + "; ".join(diff) + " (pass the flags the founder's banner prints)")
+
+
+def services_summary(services: Sequence, run: RunConfig, reply: HelloReply | None) -> dict | None:
+    """What this node trains in ``run`` (the first service with a ``run_summary(run)``; None: nothing),
+    checked against the initial peer's (:func:`check_training_summary`) when it joined through one."""
+    summaries = [s.run_summary(run) for s in services if callable(getattr(s, "run_summary", None))]
+    summary = summaries[0] if summaries else None
+    if reply is not None:
+        check_training_summary(summary, reply)
+    return summary
 
 
 def founding_run_config(cfg: DaemonConfig) -> RunConfig:
@@ -46,7 +80,7 @@ def founding_run_config(cfg: DaemonConfig) -> RunConfig:
 
 
 async def handshake(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: str, protocol_version: int,
-                    initial_ids: Sequence[PeerID], log: logging.LoggerAdapter | logging.Logger = logger) -> RunConfig:
+                    initial_ids: Sequence[PeerID], log: logging.LoggerAdapter | logging.Logger = logger) -> HelloReply:
     """Ask an initial peer which run it serves; refuse a wrong run id or protocol version."""
     errors = []
     for maddr, initial_id in zip(cfg.initial_peers, initial_ids):
@@ -60,7 +94,7 @@ async def handshake(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: s
             if "access denied" in str(e):
                 if not cfg.access_handshake:  # test knob: a modified client pushes on regardless
                     log.warning("hello refused (%s); joining anyway without the handshake", e)
-                    return founding_run_config(cfg)
+                    return HelloReply(founding_run_config(cfg))
                 raise UserError(f"{maddr} refused this node: {str(e).split('access denied: ', 1)[-1]}") from None
             errors.append(f"{maddr}: {e}")
             continue
@@ -79,7 +113,8 @@ async def handshake(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: s
         run = RunConfig.from_json(info["run"])
         if cfg.num_stages is not None and cfg.num_stages != run.num_stages:
             raise UserError(f"run {cfg.run_id!r} has {run.num_stages} stages, not {cfg.num_stages}")
-        return run
+        training = info.get("training")
+        return HelloReply(run, str(info.get("peer_id") or "")[:100], training if isinstance(training, dict) else None)
     raise UserError("no initial peer answered the handshake: " + "; ".join(errors))
 
 

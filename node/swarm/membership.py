@@ -171,6 +171,22 @@ class Membership:
             task = asyncio.create_task(d.gossip.connect(gid, list(entry.advert.gossip_maddrs)))
             task.add_done_callback(lambda _t, gid=gid: self._gossip_dialing.discard(gid))
 
+    async def admission_loop(self) -> None:
+        """Each heartbeat: data nodes (the coordinator candidates) challenge the candidates, every node
+        probes the epoch's members (:mod:`node.swarm.admission`); a changed verdict wakes the view loop."""
+        d = self.daemon
+        while True:
+            await asyncio.sleep(d.config.heartbeat_s)
+            try:
+                epoch = d.current_epoch
+                candidates = [e for e in d.view.online() if e.peer_id != d.peer_id] if 0 in d.stages else []
+                if await d.admission.round(candidates, epoch.members if epoch is not None else ()):
+                    self.refresh_now.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - one failed round must not stop admissions
+                self._log.exception("admission round failed")
+
     # ------------------------------------------------------------------ epochs
     async def adopt_epoch_from_dht(self) -> None:
         d = self.daemon

@@ -70,14 +70,15 @@ def members_only(daemon: "Daemon", name: str, method: Callable[[dict], Awaitable
 
 
 class DaemonRpcApi:
-    """``hello``, ``status``, ``swarm``, ``schedule``, ``health``, ``iterations``, ``traffic``, ``/metrics``, ``/``."""
+    """``hello``, ``status``, ``swarm``, ``schedule``, ``health``, ``iterations``, ``traffic``, ``admit``,
+    ``/metrics``, ``/``."""
 
     def __init__(self, daemon: "Daemon"):
         self.daemon = daemon
 
     def register(self) -> None:
         d = self.daemon
-        for name in ("hello", "status", "swarm", "schedule", "health", "iterations", "traffic"):
+        for name in ("hello", "status", "swarm", "schedule", "health", "iterations", "traffic", "admit"):
             d.register_rpc(name, getattr(self, f"rpc_{name}"))
         d.rpc.register_http_route("/metrics", self.http_metrics)
         d.rpc.register_http_route("/", self.http_dashboard)
@@ -93,7 +94,16 @@ class DaemonRpcApi:
             "protocol_version": d.protocol_version,
             "peer_id": d.peer_id,
             "run": d.run.to_json() if d.run else None,
+            # what a joiner must train to be admitted (checked before it announces itself)
+            "training": d.training_summary,
         }
+
+    async def rpc_admit(self, params: dict) -> dict:
+        """The admission challenge (:mod:`node.swarm.admission`): echo the nonce, say what we train."""
+        d = self.daemon
+        if d.admission is None:
+            raise RuntimeError("not started")
+        return d.admission.answer(params)
 
     async def rpc_status(self, params: dict) -> dict:
         return self.daemon.status_json()

@@ -197,3 +197,21 @@ def write_ready(path: str | os.PathLike | None, info: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(info))
     os.replace(tmp, path)
+
+
+def gossip_maddrs(cfg: DaemonConfig, gossip, maddrs: list[str]) -> list[str]:
+    """Where peers reach our gossip host: announced hosts, else our visible p2pd hosts (``maddrs``), at
+    its port; [] before gossip is up."""
+    if gossip is None:
+        return []
+    addrs = []
+    for m in gossip.maddrs:
+        port = Multiaddr(m).value_for_protocol("tcp")
+        if cfg.announce_maddrs:
+            for host, _ in tcp_ports(cfg.announce_maddrs):
+                addrs.append(f"/ip4/{host}/tcp/{port}")
+        elif "/ip4/0.0.0.0/" in m:
+            addrs.extend(f"/ip4/{Multiaddr(v).value_for_protocol('ip4')}/tcp/{port}" for v in maddrs if "/ip4/" in v)
+        else:
+            addrs.append(m.split("/p2p/")[0])
+    return sorted(set(addrs))

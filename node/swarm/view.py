@@ -71,6 +71,7 @@ class PeerEntry:
             "protocol_version": a.protocol_version,
             "rpc_port": a.rpc_port,
             "location": a.location,
+            "config_digest": a.config_digest,
             "last_seen": self.last_seen,
             "age_s": round(time.time() - self.last_seen, 3),
             "source": self.source,

@@ -27,7 +27,7 @@ import torch
 
 from node.errors import UserError
 from node.net.records import rejected_counts
-from node.train.agreement import RunAgreement, training_summary
+from node.train.agreement import RepinEpoch, RunAgreement, training_summary
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
 from node.train.screening import screening_summary
@@ -108,15 +108,26 @@ class TrainerService:
         #: why training waits (a join that cannot proceed yet and is retried), shown in the training RPC
         self.waiting_reason: Optional[str] = None
 
+    def _config_for(self, run) -> TrainerConfig:
+        """Our configuration in ``run``: the run's stage count (founder's --num-stages, sent in hello)
+        decides; layers per stage stay."""
+        if run is not None and run.num_stages != self.config.model.n_stages:
+            return replace(self.config, model=replace(self.config.model, n_stages=run.num_stages).validate())
+        return self.config
+
+    def run_summary(self, run) -> dict:
+        """What this node would train in ``run`` (the daemon compares it with the run's in ``hello`` and
+        advertises its digest, before this service starts)."""
+        return training_summary(self._config_for(run), self.iterations)
+
     async def start(self, daemon: TrainerHost) -> None:
         self.daemon = daemon
         if self.threads:
             torch.set_num_threads(int(self.threads))
         run = daemon.run
         if run is not None and run.num_stages != self.config.model.n_stages:
-            # the run's stage count (founder's --num-stages, sent in hello) decides; layers per stage stay
             self.log.info("model: %d stages for this run (instead of %d)", run.num_stages, self.config.model.n_stages)
-            self.config = replace(self.config, model=replace(self.config.model, n_stages=run.num_stages).validate())
+            self.config = self._config_for(run)
         self.agreement = RunAgreement(daemon, self.config.run_id, training_summary(self.config, self.iterations),
                                       min_members=self.min_members, start_debounce_s=self.start_debounce_s,
                                       agreement_timeout_s=self.agreement_timeout_s, poll_s=self.poll_s,
@@ -201,6 +212,16 @@ class TrainerService:
                     self.log.warning("%s; waiting for a later epoch to try again", e)
                     self.waiting_reason = f"join failed, retrying with a later epoch: {e}"
                     left_at = max(int(epoch.start_iteration), 1)
+                except RepinEpoch as e:
+                    # members pinned another run (left out now) or a newer epoch: pin the next one
+                    self.log.warning("%s; pinning the next schedule epoch", e)
+                    self.state, self.waiting_reason = ServiceState.WAITING, str(e)
+                    await self.trainer.shutdown()
+                    epoch = await self.agreement.choose_epoch(after=(epoch.epoch, 0), stopping=self._stopping)
+                    if epoch is None:
+                        self.state = ServiceState.STOPPED
+                        break
+                    continue
                 first = False
                 if left_at is None:
                     break

@@ -1,0 +1,234 @@
+"""Earning membership: who may enter a schedule epoch, and who is dropped from one.
+
+An advert is cheap: anyone can sign one for a made-up identity, and a schedule epoch that names a
+peer nobody can reach stalls every iteration routed through it. So a live advert only makes a peer a
+*candidate*; the coordinator puts it into an epoch only once it was **admitted**:
+
+* it trains this run's configuration (its advert's ``config_digest`` equals ours);
+* it answered an **admission challenge**: an ``admit`` RPC with a fresh random nonce, sent over a
+  libp2p stream to the peer id of its advert, through the addresses its advert names. libp2p's
+  secure handshake authenticates that peer id, so only a process holding the advert's private key and
+  running a daemon can echo the nonce, and it answers with its configuration digest and stages;
+* at most :data:`MAX_NEW_MEMBERS_PER_EPOCH` candidates are added to a running epoch at a time.
+
+Epoch members are probed the same way every :data:`MEMBER_PROBE_EVERY_S`; a member that fails every
+probe for :data:`SILENT_AFTER_S` (and at least :data:`SILENT_AFTER_PROBES` in a row) counts as
+**silent**: gone for the trainer (:meth:`node.swarm.daemon.Daemon.peer_alive`, so training routes
+around it) and for the coordinator (the next epoch leaves it out), even while its adverts stay fresh.
+A member left out at the start barrier because it pinned another run (:meth:`Admission.leave_out`)
+is never admitted again by this process.
+
+Not covered: a challenge proves a live daemon behind the identity with the right configuration, not
+that it will compute honestly; many real daemons can still join (at the capped rate), and what a
+bad member sends is checked by the data plane's guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable
+
+__all__ = ["Admission", "ADMIT_METHOD", "MAX_NEW_MEMBERS_PER_EPOCH", "SILENT_AFTER_S", "new_members_allowed"]
+
+logger = logging.getLogger(__name__)
+
+#: The RPC method of the challenge.
+ADMIT_METHOD = "admit"
+#: Most peers one epoch adds to a swarm that already has an epoch. Each addition costs the members a
+#: join lead (training planned around the joiner) and a stage download; volunteers arrive a few at a
+#: time, so 4 per epoch (one epoch every few heartbeats) takes them all in within a minute, while a
+#: burst of identities (real daemons, each answering its challenge) grows the epoch only this fast.
+MAX_NEW_MEMBERS_PER_EPOCH = 4
+#: Seconds one challenge (connect + RPC round trip) may take: an honest peer on a loaded box answers
+#: in well under a second; more than this and it is asked again later.
+CHALLENGE_TIMEOUT_S = 5.0
+#: A candidate that failed its challenge is asked again no sooner than this: an advert with no node
+#: behind it costs each member one timed-out challenge per this many seconds, not one per heartbeat.
+RETRY_AFTER_S = 15.0
+#: Most challenges in flight at once: the work per round is bounded whatever the number of adverts.
+MAX_CONCURRENT_CHALLENGES = 8
+#: Most peers remembered per table (admitted, retry times, probe failures); the oldest go first.
+MAX_TRACKED = 1024
+#: Seconds between two probes of the same epoch member: every node probes every member, so this sets
+#: the probe traffic (20 members: about 2 small RPCs per second per node); a third of SILENT_AFTER_S
+#: gives the 3 failed probes that make a member silent.
+MEMBER_PROBE_EVERY_S = 10.0
+#: Most members probed per round (oldest probe first): every node probes the members, so this bounds
+#: the swarm's probe traffic to members x this per heartbeat whatever the epoch's size.
+MAX_PROBES_PER_ROUND = 4
+#: A member failing every probe this long is silent: longer than the pauses of an honest node on an
+#: overloaded machine (its adverts lapse after about as long), short enough that the swarm does not
+#: wait for a vanished member much longer than for one whose advert expired.
+SILENT_AFTER_S = 30.0
+#: ... and at least this many failed probes in a row (one lost probe never drops a member).
+SILENT_AFTER_PROBES = 3
+#: Longest nonce echoed back (the caller's nonce is 32 hex characters).
+MAX_NONCE_CHARS = 64
+
+
+def challenge_over_p2p(daemon) -> Callable[[str, dict], Awaitable[object]]:
+    """The ``admit`` call of ``daemon`` to a peer, through the addresses of the peer's advert."""
+    from hivemind.p2p import PeerID
+
+    from node.net.rpc import call_p2p
+
+    async def call(peer_id: str, params: dict) -> object:
+        if not await daemon.ensure_connected(peer_id, timeout=CHALLENGE_TIMEOUT_S):
+            raise ConnectionError("unreachable at its advertised addresses")
+        return await call_p2p(daemon.p2p, PeerID.from_base58(peer_id), ADMIT_METHOD, params,
+                              timeout=CHALLENGE_TIMEOUT_S)
+
+    return call
+
+
+def new_members_allowed(current_members: Iterable[str] | None) -> int | None:
+    """How many non-members a new epoch may add: unlimited (None) for the first epoch of a swarm,
+    whose founders start together, else :data:`MAX_NEW_MEMBERS_PER_EPOCH`."""
+    return None if current_members is None else MAX_NEW_MEMBERS_PER_EPOCH
+
+
+@dataclass
+class _Failures:
+    count: int
+    since: float
+
+
+class Admission:
+    """Challenges candidates, probes members, and answers other nodes' challenges."""
+
+    def __init__(self, self_id: str, config_digest: str, call: Callable[[str, dict], Awaitable[object]],
+                 stages: Callable[[], tuple], log: logging.LoggerAdapter | logging.Logger = logger):
+        """``call(peer, params)``: the ``admit`` RPC to ``peer`` (raises on failure)."""
+        self.self_id, self.config_digest = self_id, config_digest
+        self._call, self._stages, self._log = call, stages, log
+        self.admitted: dict[str, float] = {}  # peer -> when it answered its first challenge
+        self.silent: set[str] = set()
+        self.left_out: dict[str, str] = {}  # peer -> why (never admitted again)
+        self._retry_at: dict[str, float] = {}
+        self._failures: dict[str, _Failures] = {}
+        self._probed_at: dict[str, float] = {}
+        self._in_flight: set[str] = set()
+        self._semaphore = asyncio.Semaphore(MAX_CONCURRENT_CHALLENGES)
+        #: Challenges answered / failed (status and tests).
+        self.answered = 0
+        self.failed = 0
+
+    # ------------------------------------------------------------------ verdicts
+    def same_config(self, advert) -> bool:
+        return str(getattr(advert, "config_digest", "")) == self.config_digest
+
+    def may_join(self, peer_id: str, advert) -> bool:
+        """May this advert's peer be in an epoch this node issues (as a member it already is, or admitted)?"""
+        return (peer_id == self.self_id or peer_id not in self.silent and peer_id not in self.left_out
+                and self.same_config(advert))
+
+    def is_admitted(self, peer_id: str) -> bool:
+        return peer_id == self.self_id or peer_id in self.admitted
+
+    def leave_out(self, peer_id: str, reason: str) -> None:
+        if peer_id != self.self_id and peer_id not in self.left_out:
+            self.left_out[peer_id] = reason
+            self.admitted.pop(peer_id, None)
+            _bound(self.left_out)
+            self._log.warning("leaving %s out of the run: %s", peer_id[-8:], reason)
+
+    # ------------------------------------------------------------------ answering
+    def answer(self, params: dict) -> dict:
+        """The reply to another node's challenge."""
+        nonce = params.get("nonce") if isinstance(params, dict) else None
+        return {"nonce": str(nonce)[:MAX_NONCE_CHARS], "peer_id": self.self_id, "config_digest": self.config_digest,
+                "stages": list(self._stages())}
+
+    # ------------------------------------------------------------------ asking
+    async def round(self, candidates: list, members: Iterable[str]) -> bool:
+        """Challenge due ``candidates`` (view entries not yet admitted) and probe due ``members``;
+        True when a verdict changed (someone admitted, silent, or back)."""
+        now = time.monotonic()
+        members = [m for m in members if m != self.self_id]
+        asks = [(e.peer_id, e.advert) for e in candidates
+                if e.peer_id != self.self_id and e.peer_id not in self.admitted and e.peer_id not in members
+                and e.peer_id not in self.left_out and self.same_config(e.advert)
+                and self._retry_at.get(e.peer_id, 0.0) <= now]  # a silent peer may earn its way back
+        probes = sorted((m for m in members if now - self._probed_at.get(m, -1e9) >= MEMBER_PROBE_EVERY_S),
+                        key=lambda m: self._probed_at.get(m, -1e9))[:MAX_PROBES_PER_ROUND]
+        jobs = [self._admit(p, a) for p, a in asks if p not in self._in_flight]
+        jobs += [self._probe(m) for m in probes if m not in self._in_flight]
+        if not jobs:
+            return False
+        return any(await asyncio.gather(*jobs))
+
+    async def _challenge(self, peer_id: str) -> str | None:
+        """None when ``peer_id`` answered correctly, else why not."""
+        self._in_flight.add(peer_id)
+        try:
+            async with self._semaphore:
+                nonce = secrets.token_hex(16)
+                try:
+                    reply = await asyncio.wait_for(self._call(peer_id, {"nonce": nonce}), CHALLENGE_TIMEOUT_S)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - unreachable or lying peers are routine here
+                    return f"no answer ({type(e).__name__})"
+        finally:
+            self._in_flight.discard(peer_id)
+        if not isinstance(reply, dict) or reply.get("nonce") != nonce or reply.get("peer_id") != peer_id:
+            return "wrong answer"
+        if reply.get("config_digest") != self.config_digest:
+            return "trains another configuration"
+        return None
+
+    async def _admit(self, peer_id: str, advert) -> bool:
+        why = await self._challenge(peer_id)
+        if why is not None:
+            self.failed += 1
+            self._retry_at[peer_id] = time.monotonic() + RETRY_AFTER_S
+            _bound(self._retry_at)
+            self._log.debug("not admitting %s: %s", peer_id[-8:], why)
+            return False
+        self.answered += 1
+        self.silent.discard(peer_id)
+        self.admitted[peer_id] = time.monotonic()
+        self._retry_at.pop(peer_id, None)
+        _bound(self.admitted)
+        self._log.info("admitted %s (stages %s): it answered its challenge", peer_id[-8:], list(advert.stages))
+        return True
+
+    async def _probe(self, peer_id: str) -> bool:
+        self._probed_at[peer_id] = time.monotonic()
+        _bound(self._probed_at)
+        why = await self._challenge(peer_id)
+        now = time.monotonic()
+        if why is None:
+            self._failures.pop(peer_id, None)
+            if peer_id in self.silent:
+                self.silent.discard(peer_id)
+                self._log.info("member %s answers again", peer_id[-8:])
+                return True
+            return False
+        failures = self._failures.setdefault(peer_id, _Failures(0, now))
+        failures.count += 1
+        _bound(self._failures)
+        if (peer_id not in self.silent and failures.count >= SILENT_AFTER_PROBES
+                and now - failures.since >= SILENT_AFTER_S):
+            self.silent.add(peer_id)
+            self.admitted.pop(peer_id, None)
+            self._retry_at[peer_id] = now + RETRY_AFTER_S
+            self._log.warning("member %s is silent (%d probes failed over %.0f s, last: %s): leaving it out",
+                              peer_id[-8:], failures.count, now - failures.since, why)
+            return True
+        return False
+
+    def status(self) -> dict:
+        return {"admitted": len(self.admitted), "silent": sorted(p[-8:] for p in self.silent)[:16],
+                "left_out": sorted(p[-8:] for p in self.left_out)[:16], "answered": self.answered,
+                "failed": self.failed}
+
+
+def _bound(table: dict) -> None:
+    """Forget the oldest entries (insertion order) beyond :data:`MAX_TRACKED`."""
+    while len(table) > MAX_TRACKED:
+        table.pop(next(iter(table)))

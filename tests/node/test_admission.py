@@ -1,0 +1,260 @@
+"""Pure units of earned membership: challenges, silent members, the per-epoch cap, configuration
+digests in epochs, the joiner's handshake check, and the start barrier's majority rule.
+
+The behaviour on real daemons is in ``tests/faults/test_bad_joiners.py``; here each rule is checked
+with its edge cases (fake views and hosts, no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from node.errors import UserError
+from node.net.identity import load_or_create_identity
+from node.net.records import StartRecord
+from node.net.runconfig import summary_differences, summary_digest
+from node.swarm import admission as adm
+from node.swarm.admission import MAX_NEW_MEMBERS_PER_EPOCH, Admission
+from node.swarm.adverts import FetchedAdvert
+from node.swarm.coordinator import Coordinator, RunConfig
+from node.swarm.handshake import HelloReply, check_training_summary
+from node.swarm.view import SwarmView
+from node.train.agreement import RepinEpoch, RunAgreement, TrainingDisagreement
+from protocol.messages import StageAdvert
+
+DIGEST = summary_digest({"model": {"d_model": 64}})
+OTHER = summary_digest({"model": {"d_model": 32}})
+
+
+@pytest.fixture(scope="module")
+def identities(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ids")
+    ids = [load_or_create_identity(d / f"id{i}.key") for i in range(8)]
+    return sorted(ids, key=lambda i: i.peer_id.to_base58())
+
+
+def _advert(peer_id, stages, digest=DIGEST):
+    return StageAdvert(
+        run_id="r", peer_id=peer_id, gossip_peer_id="g", maddrs=(), gossip_maddrs=(), stages=tuple(stages),
+        state="ONLINE", compute_s_per_sample_per_layer=0.05, memory_slots=3, free_slots=3, protocol_version=1,
+        rpc_port=None, location=None, timestamp=time.time(), config_digest=digest,
+    )  # fmt: skip
+
+
+def _view(identities, me, stages, digests=None):
+    digests = digests or {}
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = SwarmView(run_id="r", self_id=ids[me])
+    view.update_from_dht({ids[k]: FetchedAdvert(_advert(ids[k], s, digests.get(k, DIGEST)),
+                                                identities[k].public_key_bytes, time.time() + 60)
+                          for k, s in stages.items()})
+    view.changed_at -= 10
+    return view
+
+
+def _admission(me, answers):
+    """An Admission whose challenge call answers from ``answers`` (peer -> reply, or an exception)."""
+    async def call(peer, params):
+        reply = answers.get(peer, ConnectionError("unreachable"))
+        if isinstance(reply, Exception):
+            raise reply
+        return dict(reply, nonce=params["nonce"]) if reply.get("nonce") is None else reply
+
+    return Admission(me, DIGEST, call, lambda: (0,))
+
+
+def _coordinator(ident, view, admission, published):
+    async def publish(epoch):
+        published.append(epoch)
+
+    return Coordinator(run_id="r", identity=ident, view=view, run=RunConfig(2, 2, 2), memory=3, debounce_s=0.0,
+                       takeover_s=100.0, budget_s=0.2, publish=publish, on_adopt=lambda e: None,
+                       admission=admission)
+
+
+async def test_only_peers_that_answer_their_challenge_are_admitted(identities):
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = _view(identities, 0, {0: (0,), 1: (1,), 2: (1,), 3: (1,), 4: (1,)}, digests={4: OTHER})
+    answers = {
+        ids[1]: {"peer_id": ids[1], "config_digest": DIGEST},  # honest
+        ids[2]: {"peer_id": ids[2], "config_digest": DIGEST, "nonce": "replayed"},  # a stale answer
+        ids[3]: {"peer_id": ids[3], "config_digest": OTHER},  # lies about its configuration
+        ids[4]: {"peer_id": ids[4], "config_digest": OTHER},  # another configuration: never asked
+    }
+    a = _admission(ids[0], answers)
+    assert await a.round(view.online(), ())
+    assert set(a.admitted) == {ids[1]} and a.failed == 2
+    published = []
+    c = _coordinator(identities[0], view, a, published)
+    await c.tick()
+    assert len(published) == 1 and set(published[0].members) == {ids[0], ids[1]}
+    # a failed candidate is not asked again before RETRY_AFTER_S
+    answers[ids[2]] = {"peer_id": ids[2], "config_digest": DIGEST}
+    assert not await a.round(view.online(), published[0].members)
+    assert ids[2] not in a.admitted
+
+
+async def test_a_running_swarm_admits_a_few_new_members_per_epoch(identities):
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = _view(identities, 0, {k: ((0,) if k == 0 else (1,)) for k in range(8)})
+    a = _admission(ids[0], {p: {"peer_id": p, "config_digest": DIGEST} for p in ids})
+    await a.round(view.online(), ())
+    published = []
+    c = _coordinator(identities[0], view, a, published)
+    c.current = SimpleNamespace(members=(ids[0], ids[1]), epoch=1, start_iteration=10, coordinator=ids[0])
+    online, assignment = c.target_membership()
+    new = set(assignment) - {ids[0], ids[1]}
+    assert len(new) == MAX_NEW_MEMBERS_PER_EPOCH and len(online) == 2 + MAX_NEW_MEMBERS_PER_EPOCH
+    c.current = None  # the first epoch of a swarm: its founders start together
+    assert len(c.target_membership()[1]) == 8
+
+
+async def test_a_member_that_never_answers_is_dropped_and_may_earn_its_way_back(identities, monkeypatch):
+    monkeypatch.setattr(adm, "SILENT_AFTER_S", 0.0)
+    monkeypatch.setattr(adm, "MEMBER_PROBE_EVERY_S", 0.0)
+    monkeypatch.setattr(adm, "RETRY_AFTER_S", 0.0)
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = _view(identities, 0, {0: (0,), 1: (1,), 2: (1,)})
+    answers = {p: {"peer_id": p, "config_digest": DIGEST} for p in ids[:3]}
+    a = _admission(ids[0], answers)
+    await a.round(view.online(), ())
+    members = (ids[0], ids[1], ids[2])
+    answers[ids[2]] = TimeoutError("no answer")
+    for _ in range(adm.SILENT_AFTER_PROBES - 1):
+        assert not await a.round([], members)  # one lost probe never drops a member
+    assert await a.round([], members) and a.silent == {ids[2]}
+    c = _coordinator(identities[0], view, a, [])
+    c.current = SimpleNamespace(members=members, epoch=1, start_iteration=10, coordinator=ids[0])
+    assert set(c.target_membership()[1]) == {ids[0], ids[1]}
+    answers[ids[2]] = {"peer_id": ids[2], "config_digest": DIGEST}
+    assert await a.round(view.online(), (ids[0], ids[1])) and not a.silent  # it answers again: admitted
+    assert set(c.target_membership()[1]) == set(members)
+    a.leave_out(ids[1], "pinned another run")
+    assert ids[1] not in c.target_membership()[1]
+
+
+async def test_epochs_naming_another_configuration_are_refused(identities):
+    ids = [i.peer_id.to_base58() for i in identities]
+    stages = {0: (0,), 1: (1,), 2: (0,)}
+    # ids[2] trains another model and coordinates its own epochs
+    other_view = _view(identities, 2, stages, digests={k: OTHER for k in stages})
+    published = []
+    theirs = Coordinator(run_id="r", identity=identities[2], view=other_view, run=RunConfig(2, 2, 2), memory=3,
+                         debounce_s=0.0, takeover_s=100.0, budget_s=0.2, publish=lambda e: _append(published, e),
+                         on_adopt=lambda e: None, config_digest=OTHER)
+    epoch = await theirs.issue(*theirs.target_membership())
+    assert epoch is not None
+    mine = _coordinator(identities[0], _view(identities, 0, stages, digests={2: OTHER}), None, [])
+    assert mine.consider(epoch) == "coordinator trains another configuration"
+    assert ids[2] not in mine.candidates()
+
+
+async def _append(out, item):
+    out.append(item)
+
+
+def test_a_joiner_with_another_configuration_is_refused_naming_the_fields():
+    mine = {"model": {"d_model": 32, "context": 32}, "optim": {"lr": 0.001}, "seed": 0}
+    run = {"model": {"d_model": 64, "context": 64}, "optim": {"lr": 0.001}, "seed": 0}
+    with pytest.raises(UserError) as e:
+        check_training_summary(mine, HelloReply(RunConfig(2, 2, 2), "QmFounder12345678", run))
+    assert "model.d_model: 32 here, 64 there" in str(e.value) and "model.context" in str(e.value)
+    assert "optim" not in str(e.value)
+    check_training_summary(mine, HelloReply(RunConfig(2, 2, 2), "x", dict(mine)))  # same: no error
+    check_training_summary(mine, HelloReply(RunConfig(2, 2, 2)))  # the initial peer does not train
+    # a hostile summary: not a dict, deeply nested, huge values; one bounded line either way
+    assert summary_differences(mine, "garbage") == ["configuration: a summary here, 'garbage' there"]
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"model": deep}
+    assert len(" ".join(summary_differences(mine, deep))) < 500
+    assert len(summary_differences(mine, {"seed": "x" * 10**6})[0]) < 200
+
+
+class FakeHost:
+    def __init__(self, me):
+        self.peer_id, self.left = me, {}
+
+    def leave_out(self, peer, reason):
+        self.left[peer] = reason
+
+
+def _agreement(me, summary, host=None):
+    host = host or FakeHost(me)
+    return RunAgreement(host, "r", summary, min_members=1, start_debounce_s=0.0, agreement_timeout_s=1.0,
+                        poll_s=0.01), host
+
+
+def _record(summary, epoch=1, start=0):
+    return StartRecord(epoch, summary, start, time.time())
+
+
+def test_at_the_start_barrier_the_majority_leaves_a_disagreeing_member_out():
+    good, bad = {"model": {"d_model": 64}}, {"model": {"d_model": 32}}
+    epoch = SimpleNamespace(epoch=1, coordinator="A", members=("A", "B", "C"))
+    found = {"A": _record(good), "B": _record(good), "C": _record(bad)}
+    agreement, host = _agreement("A", good)
+    with pytest.raises(RepinEpoch):
+        agreement._settle(epoch, found, 0)
+    assert set(host.left) == {"C"} and "model.d_model" in host.left["C"]
+    # the odd one out stops with one line naming the field; it leaves nobody out
+    odd, odd_host = _agreement("C", bad)
+    with pytest.raises(TrainingDisagreement, match="model.d_model"):
+        odd._settle(epoch, found, 0)
+    assert not odd_host.left
+    # a tie: the coordinator's group trains
+    epoch2 = SimpleNamespace(epoch=1, coordinator="B", members=("A", "B"))
+    tie = {"A": _record(bad), "B": _record(good)}
+    with pytest.raises(TrainingDisagreement):
+        _agreement("A", bad)[0]._settle(epoch2, tie, 0)
+    with pytest.raises(RepinEpoch):
+        _agreement("B", good)[0]._settle(epoch2, tie, 0)
+    # an epoch nobody issued, or another start iteration, splits the same way
+    forged = {"A": _record(good), "B": _record(good), "C": _record(good, epoch=424242)}
+    agreement, host = _agreement("B", good)
+    with pytest.raises(RepinEpoch):
+        agreement._settle(epoch, forged, 0)
+    assert set(host.left) == {"C"}
+    agreement._settle(epoch, {"A": _record(good), "B": _record(good)}, 0)  # all agree: nothing happens
+
+
+async def test_a_node_left_waiting_outside_a_run_with_another_configuration_says_why(monkeypatch):
+    """A joiner that came in through a peer that does not train passed no handshake check; epochs never
+    admit it, so while it waits it compares its configuration with the members' start records."""
+    import node.train.agreement as agreement_module
+
+    good, bad = {"model": {"d_model": 64}}, {"model": {"d_model": 32}}
+    epoch = SimpleNamespace(epoch=3, members=("A", "B"), start_iteration=40)
+    host = SimpleNamespace(peer_id="J", current_epoch=epoch, config=SimpleNamespace(heartbeat_s=1.0), dht=None)
+
+    async def records(dht, run_id, members=None):
+        return {p: _record(good, epoch=1) for p in members}
+
+    monkeypatch.setattr(agreement_module, "read_start_records", records)
+    waiting = RunAgreement(host, "r", bad, min_members=1, start_debounce_s=0.0, agreement_timeout_s=1.0, poll_s=0.01)
+    waiting.config_check_s = 0.0
+    with pytest.raises(TrainingDisagreement, match="model.d_model: 32 here, 64 there"):
+        await asyncio.wait_for(waiting.choose_epoch(), 30)  # a hang guard: it used to wait for ever
+
+
+async def test_a_joiner_matching_one_member_record_is_not_refused(monkeypatch):
+    """A member's record of an earlier session (another configuration) must not refuse a joiner that
+    matches this session's records."""
+    import node.train.agreement as agreement_module
+
+    good, old = {"model": {"d_model": 64}}, {"model": {"d_model": 32}}
+    host = SimpleNamespace(peer_id="J", current_epoch=SimpleNamespace(epoch=3, members=("A", "B"), start_iteration=40),
+                           dht=None)
+
+    async def records(dht, run_id, members=None):
+        return {"A": _record(good), "B": _record(old)}
+
+    monkeypatch.setattr(agreement_module, "read_start_records", records)
+    joiner = RunAgreement(host, "r", good, min_members=1, start_debounce_s=0.0, agreement_timeout_s=1.0, poll_s=0.01)
+    await joiner.check_joining_config()
+    with pytest.raises(TrainingDisagreement):
+        await RunAgreement(host, "r", {"model": {"d_model": 16}}, min_members=1, start_debounce_s=0.0,
+                           agreement_timeout_s=1.0, poll_s=0.01).check_joining_config()
