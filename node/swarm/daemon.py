@@ -73,7 +73,7 @@ from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
 from node.swarm.rpc_api import DaemonRpcApi, members_only
 from node.swarm.startup import measure_compute_speed
-from node.swarm.states import HOLDING_STATES, NodeLogger, NodeState, Phase
+from node.swarm.states import NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
 from protocol.messages import ScheduleEpoch, StageAdvert
 from protocol.version import PROTOCOL_VERSION
@@ -261,10 +261,7 @@ class Daemon:
 
     def missing_stages(self) -> list[int]:
         """Stages of the run that no live (ONLINE or DRAINING) peer of our view holds."""
-        if self.run is None or self.view is None:
-            return []
-        held = {s for e in self.view.alive() if e.state in HOLDING_STATES for s in e.advert.stages}
-        return [s for s in range(self.run.num_stages) if s not in held]
+        return self.view.missing_stages(self.run.num_stages) if self.run and self.view else []
 
     def advert(self) -> StageAdvert:
         cfg = self.config

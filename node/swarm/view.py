@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from node.swarm.states import NodeState
+from node.swarm.states import HOLDING_STATES, NodeState
 from protocol.messages import PEER_STATE_ORDER, LinkReport, MembershipEvent, StageAdvert
 
 __all__ = ["PeerEntry", "LinkStat", "SwarmView", "STATES"]
@@ -163,6 +163,11 @@ class SwarmView:
 
     def online(self) -> list[PeerEntry]:
         return [e for e in self.alive() if e.state == NodeState.ONLINE]
+
+    def missing_stages(self, num_stages: int) -> list[int]:
+        """Stages of ``range(num_stages)`` that no live peer holding its stages (ONLINE or DRAINING) holds."""
+        held = {s for e in self.alive() if e.state in HOLDING_STATES for s in e.advert.stages}
+        return [s for s in range(num_stages) if s not in held]
 
     def get(self, peer_id: str) -> PeerEntry | None:
         return self.peers.get(peer_id)
