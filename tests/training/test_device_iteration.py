@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from node.dataplane.state_codec import ExpectedState, decode_state, encode_state
 from node.train.averaging import StageAverager
 from node.train.model import build_stage, model_config
 from node.train.runtime import HostToDevice, OptimConfig, StageRuntime, clip_coefficient
@@ -134,6 +135,22 @@ def test_a_whole_iteration_stays_on_the_device_and_syncs_once_per_reading():
     assert any("adam" in op or "addcdiv" in op or "lerp" in op for op, _, _ in rec.seen)
     assert all(t.device.type == "meta" for t in state["model"].values())
     assert all(p.device.type == "meta" for p in middle.parameters())
+
+    # the snapshot as bytes (state transfer, checkpoints): each tensor leaves the device once, in the
+    # encoder, and a received blob is loaded back onto the device
+    on_device = len(state["model"]) + sum(  # AdamW's step counts are host scalars already
+        isinstance(v, torch.Tensor) and v.device.type == "meta"
+        for st in state["optimizer"]["state"].values() for v in st.values())
+    rec.reset()
+    with rec:
+        blob = encode_state(state, {"stage": 1, "iteration": 0})
+    assert rec.transfers.count("to_cpu") == on_device and set(rec.transfers) == {"to_cpu"}, rec.transfers
+    _, received = decode_state(blob, ExpectedState.of_module(build_stage(cfg, 1, seed=0)))
+    rec.reset()
+    with rec:
+        middle.load_state_dict(received)
+    assert all(p.device.type == "meta" for p in middle.parameters())
+    assert rec.transfers == []
 
     # a frame from a device tensor (one transfer), and a received frame back onto the device
     rec.reset()
