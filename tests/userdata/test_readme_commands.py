@@ -1,7 +1,7 @@
 """Every `skippipe ...` line of README.md parses, and each one that takes under a minute runs as written.
 
 Daemons and training swarms (`up`, `node run`, `swarm ...`) only parse here (they run for minutes and are
-covered by their own tests); `--help`, `plan`, `simulate`, `eval`, `generate` and `export` run for real, in
+covered by their own tests); `--help`, `plan`, `simulate`, `eval`, `generate`, `export` and `checkpoint` run for real, in
 a scratch folder holding a tiny `skippipe-up/checkpoints` the way `skippipe up` leaves it.
 """
 
@@ -19,7 +19,7 @@ from tests.userdata.helpers import save_node_checkpoints
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 #: subcommands that finish in seconds on the tiny model and are run as written
-QUICK = ("plan", "simulate", "eval", "generate", "export")
+QUICK = ("plan", "simulate", "eval", "generate", "export", "checkpoint")
 #: long-running ones: parsed only
 LONG = ("up", "node", "swarm")
 
