@@ -71,6 +71,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def begun_elsewhere(iterations: Dict[int, IterationState], iteration: int, me: str) -> bool:
+    """Has another data node already finished this iteration? Its view still held every stage when it
+    began; pausing now would leave it waiting for our IterationDone, so this node runs the iteration too,
+    skipping or dropping what it cannot route, and the next boundary pauses everyone alike."""
+    state = iterations.get(iteration)
+    return state is not None and any(peer != me for peer in state.done)
+
+
 class TrainerNode:
     """Trains one stage replica (or one data node) of the swarm; see the module docstring."""
 
@@ -313,8 +321,8 @@ class TrainerNode:
         """Pause at an iteration boundary while a stage has no live replica; resume on a new epoch."""
         while True:
             await self._maybe_switch_epoch()
-            missing = self.missing_stages()
-            if not missing or self.stop_requested or self.closed:
+            missing, begun = self.missing_stages(), begun_elsewhere(self._iters, self.current_iteration, self.peer_id)
+            if not missing or begun or self.stop_requested or self.closed:
                 if self.paused_reason is not None:
                     self.log.info("resuming at iteration %d", self.current_iteration)
                 self.paused_reason = None

