@@ -71,6 +71,10 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 NONCE_BYTES = 16
 #: Seconds the other replicas have to answer a sketch request (they only wait for their commit and hash).
 SKETCH_TIMEOUT_S = 60.0
+#: Times one source is asked again, at the iteration the other replicas have reached, when none of them
+#: could vouch for its state because training moved on while it was downloaded (a fast run commits several
+#: iterations per second): without a retry, the state would be taken on its source's word alone.
+MAX_CATCH_UP_ROUNDS = 5
 #: Snapshots served at the same time; further requests wait for a slot (within the wait timeout).
 MAX_CONCURRENT_SERVES = 2
 #: One "refused" log line per this many refused requests.
@@ -321,6 +325,7 @@ async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: in
     errors: List[str] = []
     order = list(dict.fromkeys(peers))
     tried: set = set()
+    catch_up = MAX_CATCH_UP_ROUNDS
     while True:
         source = next((p for p in order if p not in tried), None)
         if source is None:
@@ -343,6 +348,12 @@ async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: in
         agree = [p for p, (it, sk) in claims.items() if it == snap.iteration and sketches_agree(mine, sk)]
         disagree = [p for p, (it, sk) in claims.items() if it == snap.iteration and p not in agree]
         verdict = Verdict(source, snap.iteration, agree, disagree, [p for p in others if p not in agree and p not in disagree])
+        ahead = [it for it, _ in claims.values() if it > snap.iteration]
+        if not agree and not disagree and ahead and catch_up > 0:  # they moved on: ask again where they are
+            catch_up -= 1
+            tried.discard(source)
+            min_iteration = min(ahead)  # the nearest: a liar claiming a far iteration cannot stall the fetch
+            continue
         if 1 + len(agree) > len(disagree):
             if verdict.alone:
                 logger.warning("stage %d state of iteration %d taken from %s on its word alone: no other replica "

@@ -36,7 +36,7 @@ from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ITERATIONS = 60  # room for every rule to fire: a banned member waits for its next route
+ITERATIONS = 150  # room for every rule to fire: a banned member waits out its ban (seconds; ~50 iterations)
 ATTACKER = 2
 DATA_NODE, HONEST_REPLICA, LAST_STAGE = 0, 1, 3
 FIRST_ATTACK = 4
