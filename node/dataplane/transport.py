@@ -272,13 +272,15 @@ class DataPlane:
             logger.debug("data-plane guard failed", exc_info=True)
             return GUARD_ERROR, f"guard raised {e!r}"[:200]
 
-    def _decode(self, data: bytes | bytearray,
+    def _decode(self, data: bytes | List[bytes],
                 check_tensor: bool) -> Tuple[Optional[object], Optional[str], str, object]:
         """(message, None, "", measured) or (None, reason, detail, None). With ``check_tensor`` (a large
         frame, in a worker thread) the guard's checks of the tensor itself (dtype, codec, shape, every
         element finite) and its magnitude (``measured``) are taken here too; they read nothing but the
         frame, unlike its other rules (replays, the iteration window, the recent magnitudes), which stay
         on the loop."""
+        if not isinstance(data, bytes):
+            data = b"".join(data)
         try:
             msg = decode(data, max_bytes=self.max_frame_bytes, expect=DATA_MESSAGES)
         except ProtocolError as e:
@@ -298,8 +300,10 @@ class DataPlane:
         return msg, None, "", measured
 
     async def _read_frame(self, reader: asyncio.StreamReader, header_len: int, byteorder: str,
-                          sender: str) -> Optional[bytes | bytearray]:
-        """The next frame's body, or None when the stream ended or was refused (caller closes it)."""
+                          sender: str) -> Optional[bytes | List[bytes]]:
+        """The next frame's body, or None when the stream ended or was refused (caller closes it). A body
+        over :data:`OFF_LOOP_BYTES` comes as its chunks, joined by the worker thread that decodes it: one
+        growing buffer would be copied whole on the loop each time it is reallocated."""
         try:
             header = await reader.readexactly(header_len)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -311,11 +315,13 @@ class DataPlane:
         try:
             if length <= OFF_LOOP_BYTES:
                 return await reader.readexactly(length)
-            body = bytearray()  # grows as the bytes arrive: a length claimed but never sent costs nothing
-            while len(body) < length:
-                body += await reader.readexactly(min(OFF_LOOP_BYTES, length - len(body)))
+            chunks: List[bytes] = []  # as the bytes arrive: a length claimed but never sent costs nothing
+            got = 0
+            while got < length:
+                chunks.append(await reader.readexactly(min(OFF_LOOP_BYTES, length - got)))
+                got += len(chunks[-1])
                 await asyncio.sleep(0)  # a frame that arrived whole is still copied a piece at a time
-            return body
+            return chunks
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
 
@@ -339,7 +345,8 @@ class DataPlane:
                 data = await self._read_frame(reader, header_len, byteorder, sender)
                 if data is None:
                     return
-                self.bytes_received += len(data)
+                size = len(data) if isinstance(data, bytes) else sum(map(len, data))
+                self.bytes_received += size
                 if self.allow is not None and not self.allow(sender):
                     self._reject(sender, NOT_ALLOWED, "peer no longer allowed; stream closed")
                     return
@@ -347,7 +354,7 @@ class DataPlane:
                     self._reject(sender, RATE_LIMITED, f"more than {self.limiter.rate_per_s:g} frames/s "
                                                        f"(burst {self.limiter.burst:g})")
                     continue
-                if len(data) > OFF_LOOP_BYTES:
+                if not isinstance(data, bytes):  # over OFF_LOOP_BYTES: joined and decoded in a worker thread
                     tensor_checked = hasattr(self.guard, "check_tensor")
                     msg, reason, detail, measured = await asyncio.get_running_loop().run_in_executor(
                         None, self._decode, data, tensor_checked)
@@ -363,7 +370,7 @@ class DataPlane:
                         self._reject(sender, reason, detail)
                         self._tell_rejected(msg, sender, reason, detail)
                         continue
-                self._record_hop(sender, msg, len(data), "in", None)
+                self._record_hop(sender, msg, size, "in", None)
                 hold = self._hold_s(msg)
                 if hold > 0:
                     held = asyncio.create_task(self._deliver_after(hold, msg, sender))
