@@ -247,18 +247,32 @@ class Faker(threading.Thread):
         return int(self.swarm.nodes[0].info.get("protocol_version") or 1)
 
 
-def test_thirty_fake_adverts_never_enter_an_epoch_and_training_goes_on(tmp_path):
-    swarm = ProcessSwarm(2, [1, 1], base_dir=tmp_path / "swarm", run_id="fake-adverts", heartbeat_s=1.0,
-                         extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}"))
-    watch = faker = None
+def _training_pair(tmp_path, run_id: str) -> ProcessSwarm:
+    """A data node and one stage-1 node training for long enough that the test ends them."""
+    return ProcessSwarm(2, [1, 1], base_dir=tmp_path / "swarm", run_id=run_id, heartbeat_s=1.0,
+                        extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}"))
+
+
+def _start_training(swarm: ProcessSwarm):
+    """Start ``swarm``, watch the founder's epochs, wait for training; ``(watch, the run's config digest)``."""
+    swarm.start(timeout=240)
+    watch = EpochWatch(swarm.nodes[0])
+    watch.start()
     try:
-        swarm.start(timeout=240)
-        watch = EpochWatch(swarm.nodes[0])
-        watch.start()
         wait_for(swarm, [0, 1], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1) >= 2,
                  400, "training to start")
         view = call_http(swarm.nodes[0].rpc_url, "swarm", {})
-        digest = next((p.get("config_digest") or "") for p in view["peers"] if p["peer_id"] == swarm.nodes[0].peer_id)
+    except BaseException:
+        watch.stop()  # the caller's cleanup never saw it
+        raise
+    return watch, next((p.get("config_digest") or "") for p in view["peers"] if p["peer_id"] == swarm.nodes[0].peer_id)
+
+
+def test_thirty_fake_adverts_never_enter_an_epoch_and_training_goes_on(tmp_path):
+    swarm = _training_pair(tmp_path, "fake-adverts")
+    watch = faker = None
+    try:
+        watch, digest = _start_training(swarm)
         faker = Faker(swarm, digest)
         faker.start()
         deadline = time.monotonic() + 240
@@ -345,19 +359,12 @@ class Squatter(threading.Thread):
 def test_a_member_that_goes_silent_is_dropped_and_training_goes_on(tmp_path):
     from node.net.identity import load_or_create_identity
 
-    swarm = ProcessSwarm(2, [1, 1], base_dir=tmp_path / "swarm", run_id="silent-member", heartbeat_s=1.0,
-                         extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}"))
+    swarm = _training_pair(tmp_path, "silent-member")
     key_path = tmp_path / "squatter.key"
     squatter_id = load_or_create_identity(key_path).peer_id.to_base58()
     watch = squatter = announcer = None
     try:
-        swarm.start(timeout=240)
-        watch = EpochWatch(swarm.nodes[0])
-        watch.start()
-        wait_for(swarm, [0, 1], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1) >= 2,
-                 400, "training to start")
-        view = call_http(swarm.nodes[0].rpc_url, "swarm", {})
-        digest = next((p.get("config_digest") or "") for p in view["peers"] if p["peer_id"] == swarm.nodes[0].peer_id)
+        watch, digest = _start_training(swarm)
         squatter = Squatter(key_path, digest)
         squatter.start()
         assert squatter.up.wait(120) and squatter.error is None, squatter.error
