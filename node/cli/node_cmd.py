@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node.swarm.config import DEFAULT_HEARTBEAT_S, DEFAULT_HOST_MADDRS, DEFAULT_MEMORY_SLOTS, DEFAULT_RUN_ID, DaemonConfig, default_identity_path
 from node.errors import UserError
+from node.train.precision import DEVICES
 from node.cli.validate import (MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range, maddr_list_item,
                                port)
 
@@ -67,7 +68,7 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", type=Path, default=None,
                    help=f"RSA identity file, created on first use (default {default_identity_path()})")
     p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="name of the training run (default %(default)s)")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+    p.add_argument("--device", choices=list(DEVICES), default="cpu",
                    help="torch device of this node's stage (auto: cuda when available; default cpu)")
     p.add_argument("--location", default=None, help="free-form location label shown to peers")
     p.add_argument("--rpc-port", type=port(allow_zero=True, allow_off=True), default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")

@@ -16,6 +16,8 @@ from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
 from node.cli.validate import MAX_DURATION_S, MAX_NODES, MAX_THREADS, float_range, int_range
 from node.errors import UserError
 from node.spec import DEFAULT_TRAIN_ITERATIONS, TrainSpec
+from node.train.precision import PRECISIONS
+from protocol.compression import WIRE_TABLE
 
 __all__ = ["add_training_arguments", "add_model_data_arguments", "model_and_data_from_args",
            "training_services_from_args", "DEFAULT_TRAIN_ITERATIONS", "MODEL_SIZE_NAMES", "default_tokenizer"]
@@ -104,10 +106,10 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int_range(0, 2**32 - 1), default=TrainSpec.seed, help="model initialisation and data order seed")
     g.add_argument("--microbatch-size", type=int_range(1, 65536), default=TrainSpec.microbatch_size, help="sequences per microbatch")
     g.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
-    g.add_argument("--precision", default=TrainSpec.precision, choices=["auto", "fp32", "bf16", "fp16"],
+    g.add_argument("--precision", default=TrainSpec.precision, choices=["auto", *PRECISIONS],
                    help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
                         "it, else fp32. All members of a run must use the same")
-    g.add_argument("--wire", default=TrainSpec.wire, choices=["fp32", "bf16", "fp16", "int8"],
+    g.add_argument("--wire", default=TrainSpec.wire, choices=list(WIRE_TABLE),
                    help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
                         "the replicas' averaging uses the matching hivemind compression. All members must agree")
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
