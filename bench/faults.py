@@ -2,7 +2,7 @@
 
 Why: the README's failure rule ("When nodes fail, join or leave") promises that training goes on
 when volunteers crash or arrive. This measures how much it costs, on real daemons: one swarm of
-``skippipe node run --train`` processes (:class:`node.testing.process_swarm.ProcessSwarm`, one process group
+``skippipe node run --train`` processes (:class:`node.launch.process_swarm.ProcessSwarm`, one process group
 each) trains a tiny model on 127.0.0.1 while this script kills and adds nodes.
 
 Phases, one after another on the same swarm (defaults in brackets):
@@ -64,8 +64,8 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from node.ops.tables import text_table
-from node.testing.process_swarm import training_state
-from node.testing.procs import ancestors, processes_mentioning
+from node.launch.process_swarm import training_state
+from node.launch.procs import ancestors, processes_mentioning
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _ROOT = _HERE.parent
@@ -390,7 +390,7 @@ def start_swarm(swarm, args, UserError) -> None:
 
 def run_swarm(args, base: pathlib.Path) -> dict:
     from node.errors import UserError
-    from node.testing.process_swarm import ProcessSwarm
+    from node.launch.process_swarm import ProcessSwarm
 
     plan = kill_plan(args.sizes, args.lose)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -627,7 +627,7 @@ def _main(args) -> int:
         try:
             import node.compat  # noqa: F401  the daemons' own imports (torch, hivemind)
             import torch  # noqa: F401
-            from node.testing.process_swarm import ProcessSwarm  # noqa: F401
+            from node.launch.process_swarm import ProcessSwarm  # noqa: F401
         except ImportError as e:
             raise BenchError(f"cannot import the node package ({e}); run with the project's venv: "
                              ".venv/bin/python bench/faults.py (bash scripts/setup.sh creates it)") from None

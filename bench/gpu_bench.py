@@ -8,7 +8,7 @@ Measures, for each model (default ``small`` and ``500m``):
 
 * **reference**: :class:`node.train.reference.ReferenceTrainer` (all 6 stages in one process, full
   paths, 1 data node x 4 microbatches) in fp32 and bf16: tokens/s over the timed iterations;
-* **swarm**: the in-process harness of ``skippipe up`` (:class:`node.testing.inproc_swarm.InProcessSwarm`: one p2pd +
+* **swarm**: the in-process harness of ``skippipe up`` (:class:`node.launch.inproc_swarm.InProcessSwarm`: one p2pd +
   hivemind DHT per node, real libp2p streams and DecentralizedAverager) on the schedule of
   ``skippipe up``: 9 nodes = 2 data nodes + replicas 2,2,1,1,1, paths of 4 of 6 stages, with the
   ``fp32``, ``bf16`` and ``int8`` wire formats (compute precision: ``--precision``, default bf16 on a
@@ -82,7 +82,7 @@ def _sync(device: str) -> None:
 
 def bench_reference(model: str, precision: str, device: str, iterations: int, warmup: int,
                     seq_len: Optional[int] = None) -> dict:
-    from node.testing.schedules import build_schedule
+    from node.launch.schedules import build_schedule
     from node.train.reference import ReferenceTrainer
     from node.train.runtime import OptimConfig
 
@@ -106,8 +106,8 @@ def bench_reference(model: str, precision: str, device: str, iterations: int, wa
 
 async def _swarm(model: str, precision: str, wire: str, device: str, iterations: int, warmup: int,
                  seq_len: Optional[int]) -> dict:
-    from node.testing.inproc_swarm import InProcessSwarm
-    from node.testing.schedules import build_schedule
+    from node.launch.inproc_swarm import InProcessSwarm
+    from node.launch.schedules import build_schedule
     from node.train.averaging import AveragingConfig, averaging_compression_for_wire
     from node.train.runtime import OptimConfig
     from node.train.trainer import TrainerConfig

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 from node.net.rpc import RpcCallError, call_http
 
 #: Seconds between RPC polls of every view.

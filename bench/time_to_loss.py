@@ -11,7 +11,7 @@ Setup (defaults):
   5,3,3,3,3,3, paths of 4 of 6 stages, 6 microbatches of 8 sequences per data node, memory 3, the
   geo-distributed-12 profile replayed at ``--time-scale`` with the tiny model standing in for the
   paper's shape, one allocation for both schedules;
-* the in-process harness (:class:`node.testing.inproc_swarm.InProcessSwarm`, real hivemind P2P +
+* the in-process harness (:class:`node.launch.inproc_swarm.InProcessSwarm`, real hivemind P2P +
   DHT per node, link and compute emulation per node as ``bench/wan.py --in-process``), one fresh
   swarm per schedule (same initial weights, same data), full pipeline first, then SkipPipe;
 * each trains one iteration at a time until its emulated time reaches ``--budget-s``; the full
@@ -73,7 +73,7 @@ def time_to_reach(times: Sequence[float], losses: Sequence[float], target: float
 async def _train_one(args, setting: dict, name: str, splits, data_cfg, val) -> dict:
     """One fresh in-process swarm on ``name``'s schedule, trained until ``args.budget_s`` emulated seconds."""
     from node.dataplane.emulation import Emulation
-    from node.testing.inproc_swarm import InProcessSwarm
+    from node.launch.inproc_swarm import InProcessSwarm
     from node.train.reference import evaluate_loss
     from node.train.runtime import OptimConfig
     from node.train.trainer import TrainerConfig

@@ -25,8 +25,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from node.testing.inproc_swarm import InProcessSwarm
-from node.testing.schedules import build_schedule
+from node.launch.inproc_swarm import InProcessSwarm
+from node.launch.schedules import build_schedule
 from node.train.data import DataConfig, load_splits
 from node.train.model import model_config
 from node.train.reference import ReferenceTrainer

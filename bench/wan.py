@@ -13,7 +13,7 @@ Setup (one invocation, back to back, same model, same data):
   (:func:`scheduler.allocation.allocate` over the 20 round-robin placed nodes) decides which
   location holds which stage, the same for all three schedules.
 * **Default harness: 20 real daemons** (``skippipe node run --train`` processes started by
-  :class:`node.testing.process_swarm.ProcessSwarm`, one process group each), one fresh swarm per schedule
+  :class:`node.launch.process_swarm.ProcessSwarm`, one process group each), one fresh swarm per schedule
   policy, back to back: ``--schedule-policy full`` (:func:`scheduler.baselines.full_pipeline`),
   ``random`` (:func:`scheduler.baselines.random_skip`) and ``skippipe``
   (:func:`scheduler.paths.schedule_paths`), each computed by the swarm's own coordinator. Every
@@ -22,7 +22,7 @@ Setup (one invocation, back to back, same model, same data):
   ``--schedule-cost emulation`` so the coordinator schedules for the emulated links (the daemons'
   link probes run over loopback and would otherwise make every schedule network-blind). Torch is
   limited to 1 thread per daemon. ``--in-process`` runs the older harness instead
-  (:class:`node.testing.inproc_swarm.InProcessSwarm`: 20 nodes with real hivemind P2P + DHT in this process,
+  (:class:`node.launch.inproc_swarm.InProcessSwarm`: 20 nodes with real hivemind P2P + DHT in this process,
   schedules computed here, epochs switched on one swarm).
 * Model: tiny (6 stages x 1 layer, d_model 64, context 64, fp32 activations of 8 x 64 x 64 x 4 =
   128 KiB). It stands in for the paper's setting (4 layers per stage, d_model 1024, context 1024:
@@ -191,7 +191,7 @@ def build_setting(args) -> dict:
 
 async def run_live(args, setting: dict) -> Dict[str, dict]:
     """One in-process swarm; each schedule for ``warmup + iterations`` iterations, back to back."""
-    from node.testing.inproc_swarm import InProcessSwarm
+    from node.launch.inproc_swarm import InProcessSwarm
     from node.train.data import DataConfig, load_splits
     from node.dataplane.emulation import Emulation
     from node.train.trainer import TrainerConfig
@@ -279,7 +279,7 @@ def _behind_text(behind: dict) -> str:
 
 
 def daemon_locations(setting: dict) -> List[str]:
-    """Location of each daemon of :class:`node.testing.process_swarm.ProcessSwarm` (index i holds stage
+    """Location of each daemon of :class:`node.launch.process_swarm.ProcessSwarm` (index i holds stage
     ``layout[i]``, replicas of a stage in allocation order): the allocation's node placement."""
     locs = setting["locations"]
     return [locs[v] for stage in setting["stages"] for v in stage]
@@ -330,7 +330,7 @@ def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib
     """One fresh swarm of ``args.nodes`` daemons with ``--schedule-policy policy``; train, measure, stop."""
     from node.errors import UserError
     from node.net.rpc import call_http
-    from node.testing.process_swarm import ProcessSwarm, training_state
+    from node.launch.process_swarm import ProcessSwarm, training_state
 
     locations = daemon_locations(setting)
     stage_sizes = [len(s) for s in setting["stages"]]
@@ -478,7 +478,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadlock-grace-s", type=float, default=30.0)
     p.add_argument("--iteration-timeout-s", type=float, default=300.0)
     p.add_argument("--in-process", action="store_true",
-                   help="one in-process swarm (node.testing.inproc_swarm.InProcessSwarm) instead of 20 daemons per policy")
+                   help="one in-process swarm (node.launch.inproc_swarm.InProcessSwarm) instead of 20 daemons per policy")
     p.add_argument("--heartbeat", type=float, default=DAEMON_HEARTBEAT_S,
                    help="daemons: advert heartbeat, s (TTL = 3x). 20 daemons on 2 cores starve heartbeats at 2 s, "
                         "and a live node that looks gone costs recomputations (default %(default)s)")
@@ -521,7 +521,7 @@ def _main(argv=None) -> int:
         live = asyncio.run(run_live(args, setting))
         startup = live.pop("_startup_s")["value"]
     else:
-        harness = (f"{args.nodes} skippipe node run --train daemons per policy (node.testing.process_swarm.ProcessSwarm), one fresh "
+        harness = (f"{args.nodes} skippipe node run --train daemons per policy (node.launch.process_swarm.ProcessSwarm), one fresh "
                    "swarm per --schedule-policy, schedules by the swarm's coordinator (--schedule-cost emulation)")
         print(f"  swarm: {harness}; daemon locations {daemon_locations(setting)}", flush=True)
         live = run_daemons(args, setting)

@@ -3,7 +3,8 @@
 Across the top level: protocol <- scheduler <- node. Inside ``node/`` the subpackages form layers too (each may
 import only the ones listed for it, plus the shared ``node.errors``/``node.compat``), so a newcomer can read
 the architecture from the folder names: the network, then the data plane on it, then training, then the
-swarm that composes them, then the harnesses and the command line that drive everything.
+swarm that composes them, then the local swarms the product launches, the test harnesses and the command
+line that drive everything (the command line never imports the test harnesses).
 """
 
 import ast
@@ -25,8 +26,10 @@ NODE_LAYERS = {
     "eval": {"train"},
     "ops": set(),
     "swarm": {"net", "dataplane", "ops"},
-    "testing": {"net", "dataplane", "train", "eval", "ops", "swarm"},
-    "cli": {"net", "dataplane", "train", "eval", "ops", "swarm", "testing"},
+    "launch": {"net", "dataplane", "train", "eval", "ops", "swarm"},
+    "testing": {"net", "dataplane", "train", "eval", "ops", "swarm", "launch"},
+    #: the product runs on launch/, never on the test harnesses
+    "cli": {"net", "dataplane", "train", "eval", "ops", "swarm", "launch"},
 }
 #: modules directly in node/ that every subpackage may use: they import nothing of node's subpackages
 #: (``spec``: the training flags a run shares, read by the command line and the daemon's join banner).

@@ -167,8 +167,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from node.cli.up_runners import DeathWatch
-    from node.testing.process_swarm import ProcessSwarm
+    from node.launch.watch import DeathWatch
+    from node.launch.process_swarm import ProcessSwarm
 
     sizes = None
     if args.stage_sizes:

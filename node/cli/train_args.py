@@ -157,7 +157,7 @@ def training_services_from_args(args: argparse.Namespace) -> list:
         raise UserError("--iteration-timeout and --agreement-timeout must be positive")
     if args.drain_timeout < 0:
         raise UserError("--drain-timeout must be >= 0")
-    from node.testing.faults import FaultInjector, parse_fault
+    from node.train.faults import FaultInjector, parse_fault
 
     faults = FaultInjector([parse_fault(spec) for spec in args.inject or []]) or None
 

@@ -1,10 +1,10 @@
 """The two runners of ``skippipe up``: real daemons (the default) and the in-process harness.
 
 :func:`run_up_swarm` starts one ``skippipe node run --train`` process per node on 127.0.0.1
-(:class:`node.testing.process_swarm.ProcessSwarm`) and reads progress from the data nodes'
+(:class:`node.launch.process_swarm.ProcessSwarm`) and reads progress from the data nodes'
 ``training`` RPC; :func:`run_up` (``--in-process``) trains on
-:class:`node.testing.inproc_swarm.InProcessSwarm` with a hand-built or loopback-scheduled schedule
-(:mod:`node.testing.schedules`). Both write a progress line per iteration, ``loss.png``,
+:class:`node.launch.inproc_swarm.InProcessSwarm` with a hand-built or loopback-scheduled schedule
+(:mod:`node.launch.schedules`). Both write a progress line per iteration, ``loss.png``,
 ``history.json`` and ``summary.json`` under ``--out`` and return the summary.
 """
 
@@ -24,10 +24,10 @@ from typing import Callable, Dict, List, Optional
 from node.cli.emulation_args import emulation_node_args, round_robin_emulation_for
 from node.errors import UserError
 from node.ops.plotting import load_pyplot
-from node.testing.inproc_swarm import InProcessSwarm
-from node.testing.schedules import build_schedule, scheduler_schedule
+from node.launch.inproc_swarm import InProcessSwarm
+from node.launch.schedules import build_schedule, scheduler_schedule
 
-__all__ = ["UpOptions", "run_up", "run_up_swarm", "RUN_ID", "NODES_DIR", "DeathWatch", "align_checkpoints"]
+__all__ = ["UpOptions", "run_up", "run_up_swarm", "RUN_ID", "NODES_DIR", "align_checkpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -282,34 +282,6 @@ def _stage_modules_from_checkpoints(ckpt_root: Optional[pathlib.Path], mcfg, see
     return modules, iters
 
 
-class DeathWatch:
-    """Dead daemons of a local swarm, reported once each, as the swarm itself treats them: a death
-    is news, not the end, while every stage still has a live replica (the coordinator issues an
-    epoch without the dead node and training goes on)."""
-
-    def __init__(self, swarm, stream=sys.stderr):
-        self.swarm, self.stream = swarm, stream
-        self.dead: Dict[int, str] = {}
-
-    def check(self) -> List[int]:
-        """Report nodes that died since the last call; returns the stages left without a live replica."""
-        for node in self.swarm.nodes:
-            if node.index not in self.dead and node.proc is not None and not node.alive:
-                self.dead[node.index] = self.swarm.last_error(node)
-                code = node.proc.poll()
-                print(f"node {node.index} (stage {node.stage}) died (exit code {code}); the others go on while "
-                      f"every stage has a live replica (its last log line: {self.dead[node.index]})",
-                      file=self.stream, flush=True)
-        return self.orphaned_stages()
-
-    def orphaned_stages(self) -> List[int]:
-        stages = sorted({n.stage for n in self.swarm.nodes if n.stage >= 0})
-        return [k for k in stages if not any(n.alive for n in self.swarm.nodes if n.stage == k)]
-
-    def alive(self) -> list:
-        return [n for n in self.swarm.nodes if n.index not in self.dead and n.alive]
-
-
 def align_checkpoints(ckpt_root: pathlib.Path, stage_names: Dict[int, List[str]], run_id: str = None) -> Optional[int]:
     """Before ``--resume``: bring every replica's checkpoint to the latest iteration its stage has.
 
@@ -368,7 +340,8 @@ def run_up_swarm(opts: UpOptions) -> dict:
     so no p2pd survives) on success, failure, Ctrl+C and SIGTERM.
     """
     from node.train.data import load_splits, validation_batches
-    from node.testing.process_swarm import ProcessSwarm, training_state
+    from node.launch.process_swarm import ProcessSwarm
+    from node.launch.watch import TrainingWatch
     from node.train.reference import evaluate_loss
 
     mcfg, data_cfg, replicas = _layout(opts)
@@ -401,63 +374,15 @@ def run_up_swarm(opts: UpOptions) -> dict:
               f"corpus {opts.corpus}; logs in {out / NODES_DIR}", file=sys.stderr)
     progress = _Progress(opts.iterations, quiet=opts.quiet)
     t_start = time.perf_counter()
-    history: List[dict] = []
-    first: Optional[int] = None
-    t_ready = t_first = None
+    t_ready = None
+    watch: Optional[TrainingWatch] = None
     leftover: List[int] = []
     try:
         swarm.start(timeout=opts.start_timeout_s)
         t_ready = time.perf_counter()
-        deaths = DeathWatch(swarm, stream=sys.stderr)
-        lead = [n for n in swarm.nodes if n.stage == 0][0]
-        last_progress = time.monotonic()
-        last_full_check = 0.0
-        states: Dict[int, dict] = {}
-        while True:
-            orphaned = deaths.check()
-            if orphaned:
-                raise UserError(f"stage(s) {orphaned} have no live replica left (dead nodes: "
-                                f"{sorted(deaths.dead)}): the run cannot finish; continue it with --resume")
-            alive = deaths.alive()
-            data_nodes = [n for n in alive if n.stage == 0]
-            for idx in deaths.dead:
-                states.pop(idx, None)
-            if lead.index in deaths.dead:  # progress comes from another data node from now on
-                lead = data_nodes[0]
-            check_all = time.monotonic() - last_full_check > 5.0
-            for node in (alive if check_all else data_nodes):
-                if node is lead:
-                    st = training_state(node, since=history[-1]["iteration"] if history else -1)
-                else:
-                    st = training_state(node, limit=1)
-                if st is not None:  # a busy node answers next time
-                    states[node.index] = st
-            if check_all:
-                last_full_check = time.monotonic()
-            for idx, st in states.items():
-                if st.get("state") == "error":
-                    raise UserError(f"training failed on node {idx}: {st.get('error')}")
-            lead_state = states.get(lead.index, {})
-            if first is None and lead_state.get("start_iteration") is not None:
-                first = int(lead_state["start_iteration"])
-            for h in lead_state.get("history", []):
-                if not history or h["iteration"] > history[-1]["iteration"]:
-                    history.append(h)
-                    last_progress = time.monotonic()
-                    t_first = t_first or time.perf_counter()
-                    progress(types.SimpleNamespace(**h))
-            lead_state["history"] = []
-            if all(states.get(n.index, {}).get("state") == "done" for n in alive):
-                break
-            if all(states.get(n.index, {}).get("state") == "done" for n in data_nodes):
-                last_full_check = 0.0  # the others finish the same iteration: ask them at once
-            waited = time.monotonic() - last_progress
-            if not history and waited > opts.start_timeout_s:
-                raise UserError(f"training did not start within {opts.start_timeout_s:.0f} s "
-                                f"(states: {_state_line(states, swarm)}); see the logs in {out / NODES_DIR}")
-            if history and waited > opts.stall_timeout_s:
-                raise UserError(f"training stalled at iteration {history[-1]['iteration'] + 1}: no progress for "
-                                f"{waited:.0f} s (states: {_state_line(states, swarm)}); logs in {out / NODES_DIR}")
+        watch = TrainingWatch(swarm, opts.start_timeout_s, opts.stall_timeout_s, logs=str(out / NODES_DIR),
+                              on_iteration=lambda h: progress(types.SimpleNamespace(**h)))
+        while not watch.poll():
             time.sleep(_POLL_S)
     finally:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the clean stop
@@ -466,6 +391,8 @@ def run_up_swarm(opts: UpOptions) -> dict:
             leftover = [p for n in swarm.nodes for p in n.group_pids()]
         finally:
             signal.signal(signal.SIGINT, previous)
+    history = watch.history if watch is not None else []
+    first, t_first = (watch.first, watch.t_first) if watch is not None else (None, None)
     t_end = time.perf_counter()
     after, _ = _stage_modules_from_checkpoints(ckpt_root, mcfg, opts.seed, first_of)
     val_after = evaluate_loss(after, val)
@@ -489,16 +416,8 @@ def run_up_swarm(opts: UpOptions) -> dict:
         "startup_s": (t_first or t_end) - t_start, "daemons_ready_s": (t_ready or t_end) - t_start,
         "wall_s": t_end - t_start, "loss_png": str(out / "loss.png") if plotted else None,
         "checkpoints": str(ckpt_root), "leftover_processes": len(leftover),
-        "epoch": states.get(lead.index, {}).get("epoch") if t_ready else None,
-        "dead_nodes": sorted(deaths.dead) if t_ready else [],
+        "epoch": watch.states.get(watch.lead.index, {}).get("epoch") if watch is not None else None,
+        "dead_nodes": sorted(watch.deaths.dead) if watch is not None else [],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-def _state_line(states: Dict[int, dict], swarm) -> str:
-    parts = []
-    for n in swarm.nodes:
-        st = states.get(n.index)
-        parts.append(f"node{n.index}=" + (f"{st.get('state')}@{st.get('committed_iteration')}" if st else "?"))
-    return " ".join(parts)

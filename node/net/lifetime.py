@@ -9,7 +9,7 @@ Three mechanisms, each for a different parent/child pair (Linux only; elsewhere 
   forked afterwards asks the kernel for SIGKILL when its parent (thread) dies, and exits at once if
   the parent is already gone. The DHT is forked from an executor thread that lives as long as
   the daemon's loop.
-* **Daemons started by a harness** (``node/testing/process_swarm.py``, ``skippipe swarm local``,
+* **Daemons started by a harness** (``node/launch/process_swarm.py``, ``skippipe swarm local``,
   ``skippipe up``): the harness puts its pid in :data:`PARENT_PID_ENV`; the daemon runs
   :func:`start_parent_watchdog`, a thread that notices when that process is gone (SIGKILLed
   pytest included), sends the daemon SIGTERM (a clean leave) and SIGKILL after a grace period.

@@ -3,7 +3,7 @@
 Each step turns the failure a user can cause (a taken port, an unreachable initial peer, an
 identity in use) into one :class:`UserError` line, so :meth:`node.swarm.daemon.Daemon.start`
 reads as the order of the steps. The DHT's shutdown lives here too: the in-process harness
-(:mod:`node.testing.inproc_swarm`) stops its DHTs the same way.
+(:mod:`node.launch.inproc_swarm`) stops its DHTs the same way.
 """
 
 from __future__ import annotations

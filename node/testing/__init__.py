@@ -1,1 +1,2 @@
-"""Harnesses for development, tests and benchmarks: local swarms, fault injection, link emulation."""
+"""Harnesses for tests only (the product never imports them): network-namespace swarms. The local swarms the
+command line starts live in :mod:`node.launch`, fault injection in :mod:`node.train.faults`."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
-from node.testing.process_swarm import ProcessNode, ProcessSwarm
+from node.launch.process_swarm import ProcessNode, ProcessSwarm
 
 __all__ = ["NetnsLab", "NamespaceSwarm", "netns_unavailable", "run_in_netns"]
 

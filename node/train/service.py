@@ -81,7 +81,7 @@ class TrainerService:
                  agreement_timeout_s: float = 600.0, threads: Optional[int] = None, emulation=None,
                  faults=None, drain_timeout_s: float = 60.0):
         self.emulation = emulation  # optional node.cli.emulation_args.EmulationSettings (peer locations: daemon view)
-        self.faults = faults  # optional node.testing.faults.FaultInjector (--inject)
+        self.faults = faults  # optional node.train.faults.FaultInjector (--inject)
         #: SIGTERM: how long this node keeps training until an epoch without it starts, before leaving anyway
         self.drain_timeout_s = drain_timeout_s
         self.config, self.iterations = config, iterations

@@ -102,7 +102,7 @@ class TrainerNode:
                  verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None):
         """``alive(peer)``: membership oracle (the daemon's view: advert not expired, not OFFLINE); None =
         every member counts as alive until a send to it fails. ``faults``: optional
-        :class:`node.testing.faults.FaultInjector`. ``on_kill``: what an injected kill does (default: crash this
+        :class:`node.train.faults.FaultInjector`. ``on_kill``: what an injected kill does (default: crash this
         trainer). ``link_estimate(a, b) -> (latency_s, bandwidth_Bps) | None`` feeds the deadlines.
         ``join_at``: join a run in progress at this iteration, downloading the stage's state first.
         ``verify_epoch(epoch)``: signature check of epochs learnt from members' records (None: trust

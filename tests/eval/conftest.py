@@ -21,7 +21,7 @@ def splits(_cache_dir, data_cfg):
 
 
 def skip_schedule():
-    from node.testing.schedules import build_schedule
+    from node.launch.schedules import build_schedule
 
     # 2 data nodes, replicas 2,2,1,1,1, paths of 4/6 stages, some reordered
     return build_schedule(6, data_nodes=2, replicas=[2, 2, 1, 1, 1], path_length=4, microbatches=4, memory=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, Iterable
 
-from node.testing.process_swarm import ProcessSwarm, training_state
+from node.launch.process_swarm import ProcessSwarm, training_state
 
 __all__ = ["training_state", "wait_for", "train_args", "assert_each_step_committed_once"]
 

@@ -27,7 +27,7 @@ import time
 import pytest
 
 from node.net.rpc import call_http
-from node.testing.process_swarm import ProcessSwarm, training_state
+from node.launch.process_swarm import ProcessSwarm, training_state
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

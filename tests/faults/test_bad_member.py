@@ -26,7 +26,7 @@ import math
 import pytest
 
 from node.net.rpc import call_http
-from node.testing.process_swarm import ProcessSwarm, training_state
+from node.launch.process_swarm import ProcessSwarm, training_state
 from node.train.data import DataConfig
 from node.train.epochs import parse_schedule, routes_for
 from node.train.model import ModelConfig

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import assert_each_step_committed_once, train_args, training_state, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

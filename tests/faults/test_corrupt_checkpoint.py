@@ -10,7 +10,7 @@ their own checkpoints and train on to the end.
 import pytest
 
 from node.net.rpc import call_http
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -22,7 +22,7 @@ import torch
 
 from node.train.checkpoint import CheckpointStore
 from node.cli.swarm_cmd import fetch_status, format_status
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import train_args, training_state, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

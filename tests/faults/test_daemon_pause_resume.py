@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from node.cli.swarm_cmd import fetch_status, format_status
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -1,6 +1,6 @@
 """Deterministic fault injection into a training swarm (in-process harness, real libp2p and DHT).
 
-Each case installs one rule (node.testing.faults) on one node: drop / delay / kill at iteration i, hop j,
+Each case installs one rule (node.train.faults) on one node: drop / delay / kill at iteration i, hop j,
 forward or backward. For every case the run must complete: every surviving node commits exactly
 the requested iterations in order, the loss at the end is finite and lower than at the start, and
 the recovery path the case is about really ran (the rule fired; a retry, drop, re-route or skip
@@ -16,10 +16,10 @@ import math
 
 import pytest
 
-from node.testing.inproc_swarm import InProcessSwarm
-from node.testing.schedules import build_schedule
+from node.launch.inproc_swarm import InProcessSwarm
+from node.launch.schedules import build_schedule
 from node.train.data import DataConfig
-from node.testing.faults import FaultInjector, parse_fault
+from node.train.faults import FaultInjector, parse_fault
 from node.train.model import model_config
 from node.train.runtime import OptimConfig
 from node.train.trainer import TrainerConfig

@@ -21,7 +21,7 @@ import pytest
 from node.cli.export_pull import pull_stages
 from node.eval.export import check_weights
 from node.net.identity import load_or_create_identity
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -15,7 +15,7 @@ import pytest
 
 import time
 
-from node.testing.process_swarm import ProcessSwarm, training_state
+from node.launch.process_swarm import ProcessSwarm, training_state
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -79,7 +79,7 @@ def malformed_msgpack(rng: random.Random, valid: bytes) -> bytes:
 
 
 async def connect(p2p, others: Sequence) -> None:
-    """Dial every P2P in ``others`` from ``p2p`` (the way node.testing.inproc_swarm.InProcessSwarm wires its nodes)."""
+    """Dial every P2P in ``others`` from ``p2p`` (the way node.launch.inproc_swarm.InProcessSwarm wires its nodes)."""
     for other in others:
         await p2p._client.connect(other.peer_id, other._visible_maddrs)
 

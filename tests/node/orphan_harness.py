@@ -1,6 +1,6 @@
 """A harness process for the orphan test: starts a local swarm through the process harness, then idles.
 
-``python -m tests.node.orphan_harness BASE_DIR N``: N daemons via :class:`node.testing.process_swarm.ProcessSwarm`;
+``python -m tests.node.orphan_harness BASE_DIR N``: N daemons via :class:`node.launch.process_swarm.ProcessSwarm`;
 when they are all up it writes their pids to ``BASE_DIR/pids.json`` and sleeps until it is killed (the
 test SIGKILLs it, so nothing of ProcessSwarm's own clean-up runs).
 """
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 
 if __name__ == "__main__":
     base, n = Path(sys.argv[1]), int(sys.argv[2])

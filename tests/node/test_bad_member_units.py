@@ -138,7 +138,7 @@ def test_corrupt_rules_fire_in_order_and_a_bad_spec_is_one_user_error():
     import pytest
 
     from node.errors import UserError
-    from node.testing.faults import FaultInjector, parse_fault
+    from node.train.faults import FaultInjector, parse_fault
 
     faults = FaultInjector([parse_fault("corrupt@iteration=5,target=norm,fill=nan,times=2"),
                             parse_fault("corrupt@iteration=5,target=norm,fill=1e30"),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 from tests.node.helpers import DEADLINE_S, poll, rpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

@@ -21,7 +21,7 @@ import pytest
 
 from node.net.records import START_RECORD_TTL_S, SCHEMA_VERSION, finished_key, norm_key, start_key
 from node.net.rpc import call_http
-from node.testing.process_swarm import ProcessSwarm, training_state
+from node.launch.process_swarm import ProcessSwarm, training_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -9,8 +9,8 @@ import uuid
 
 from node.ops.tables import text_table
 from node.swarm.states import NodeLogger, NodeState
-from node.testing.process_swarm import ProcessNode, training_state
-from node.testing.procs import process_group_members, processes_mentioning
+from node.launch.process_swarm import ProcessNode, training_state
+from node.launch.procs import process_group_members, processes_mentioning
 
 
 def test_text_table_aligns_labels_left_and_numbers_right():

@@ -1,6 +1,6 @@
 """A hostile peer sends garbage to every node's data plane for 30 s while a small swarm trains.
 
-In-process harness (:class:`node.testing.inproc_swarm.InProcessSwarm`: real hivemind P2P and DHT per node, real
+In-process harness (:class:`node.launch.inproc_swarm.InProcessSwarm`: real hivemind P2P and DHT per node, real
 torch): 3 stages, one node each, full-length paths. An extra hivemind peer, connected to every
 node but not a member, writes to each node's data-plane handler, round after round, random bytes,
 broken msgpack, a length header promising a terabyte, and activations that look valid but carry
@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from node.testing.inproc_swarm import InProcessSwarm
-from node.testing.schedules import build_schedule
+from node.launch.inproc_swarm import InProcessSwarm
+from node.launch.schedules import build_schedule
 from node.train.data import DataConfig
 from node.train.model import model_config
 from node.train.runtime import OptimConfig

@@ -50,7 +50,7 @@ def test_private_swarm_state_over_libp2p_needs_the_key(tmp_path):
 
     from node.cli.swarm_cmd import fetch_status
     from node.net.rpc import RpcCallError, call_http, call_p2p
-    from node.testing.process_swarm import ProcessSwarm
+    from node.launch.process_swarm import ProcessSwarm
 
     key = os.urandom(32).hex().encode()
     (tmp_path / "swarm.key").write_bytes(key)

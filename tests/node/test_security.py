@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.testing.process_swarm import ProcessNode, ProcessSwarm
+from node.launch.process_swarm import ProcessNode, ProcessSwarm
 from node.net.rpc import RpcCallError
 from tests.node.helpers import DEADLINE_S, error_lines, poll, rpc, run_cli
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from node.testing.process_swarm import ProcessSwarm
-from node.testing.procs import process_group_members
+from node.launch.process_swarm import ProcessSwarm
+from node.launch.procs import process_group_members
 from tests.node.helpers import DEADLINE_S, error_lines, poll, rpc, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

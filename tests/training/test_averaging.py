@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from node.train.averaging import AveragingConfig, StageAverager, groupmates_went_on
-from node.testing.inproc_swarm import InProcessSwarm
-from node.testing.schedules import build_schedule
+from node.launch.inproc_swarm import InProcessSwarm
+from node.launch.schedules import build_schedule
 from node.compat import import_hivemind
 from node.train.model import model_config
 from node.train.runtime import OptimConfig

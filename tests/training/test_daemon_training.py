@@ -1,6 +1,6 @@
 """Training inside real daemons: ``skippipe node run --train`` processes and ``skippipe up`` on them.
 
-Each daemon is a separate ``python -m node node run`` process (``node.testing.process_swarm``); these tests
+Each daemon is a separate ``python -m node node run`` process (``node.launch.process_swarm``); these tests
 check numbers (parameters equal to the single-process reference, loss falls) and that no process
 of the swarm (daemon, p2pd, DHT, averager) outlives it.
 """
@@ -17,8 +17,8 @@ import torch
 from node.train.checkpoint import CheckpointStore
 from node.cli.swarm_cmd import fetch_status, format_status
 from node.train.data import DataConfig
-from node.testing.process_swarm import ProcessSwarm, training_state
-from node.testing.procs import processes_mentioning
+from node.launch.process_swarm import ProcessSwarm, training_state
+from node.launch.procs import processes_mentioning
 from node.train.model import model_config
 from node.train.reference import ReferenceTrainer
 from node.net.rpc import call_http

@@ -204,7 +204,7 @@ def test_fp16_gradients_are_unscaled_before_anyone_reads_them():
 
 # ------------------------------------------------------------------ against the reference
 def _schedule():
-    from node.testing.schedules import build_schedule
+    from node.launch.schedules import build_schedule
 
     return build_schedule(3, data_nodes=1, replicas=[1, 1], path_length=3, microbatches=2, memory=2)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from node.train.checkpoint import CheckpointStore
-from node.testing.schedules import build_schedule
+from node.launch.schedules import build_schedule
 from node.train.data import DataConfig, DataShard, validation_batches
 from node.errors import UserError
 from node.train.model import MODEL_SIZES, DecoderLayer, apply_rotary, build_stage, model_config, rotary_tables

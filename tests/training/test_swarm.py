@@ -1,6 +1,6 @@
 """Swarm training on real hivemind P2P/DHT instances on 127.0.0.1 against the single-process reference.
 
-Each test builds an in-process :class:`node.testing.inproc_swarm.InProcessSwarm` (one p2pd + DHT per node, a
+Each test builds an in-process :class:`node.launch.inproc_swarm.InProcessSwarm` (one p2pd + DHT per node, a
 bootstrap peer, real libp2p streams, real DecentralizedAverager) with a hand-built schedule.
 """
 
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from node.testing.inproc_swarm import InProcessSwarm
-from node.testing.schedules import build_schedule
+from node.launch.inproc_swarm import InProcessSwarm
+from node.launch.schedules import build_schedule
 from node.train.data import DataConfig, validation_batches
 from node.train.model import model_config
 from node.train.reference import ReferenceTrainer, evaluate_loss

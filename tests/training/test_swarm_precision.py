@@ -15,8 +15,8 @@ import math
 
 import pytest
 
-from node.testing.inproc_swarm import InProcessSwarm
-from node.testing.schedules import build_schedule
+from node.launch.inproc_swarm import InProcessSwarm
+from node.launch.schedules import build_schedule
 from node.train.data import DataConfig
 from node.train.model import model_config
 from node.train.reference import ReferenceTrainer

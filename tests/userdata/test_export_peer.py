@@ -11,7 +11,7 @@ import torch
 from node.cli import main
 from node.cli.export_pull import pull_stages
 from node.eval.generate import next_token_logits
-from node.testing.process_swarm import ProcessSwarm
+from node.launch.process_swarm import ProcessSwarm
 from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -2,7 +2,7 @@
 
 A daemon's p2pd and forked DHT child outlive it unless it stops cleanly, so tests and benchmarks
 check after every swarm that no process of it is left: by process group (each daemon of
-:class:`node.testing.process_swarm.ProcessSwarm` has its own) or by a path on its command line.
+:class:`node.launch.process_swarm.ProcessSwarm` has its own) or by a path on its command line.
 Zombies do not count: they hold no resources and their parent reaps them.
 """
 

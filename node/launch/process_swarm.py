@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from node.errors import UserError
 from node.net.rpc import call_http
-from node.testing.procs import process_group_members
+from node.launch.procs import process_group_members
 from node.net.lifetime import PARENT_PID_ENV
 
 __all__ = ["ProcessNode", "ProcessSwarm", "stage_layout", "process_group_members", "training_state"]

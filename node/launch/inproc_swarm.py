@@ -2,9 +2,9 @@
 
 Every node gets a real hivemind ``P2P`` (its own p2pd) and ``DHT``, plus one bootstrap peer, and
 trains exactly as the daemon runs it, but without daemons: the schedule is given (hand-built or
-loopback-scheduled, :mod:`node.testing.schedules`) instead of coming from a coordinator, and
+loopback-scheduled, :mod:`node.launch.schedules`) instead of coming from a coordinator, and
 "alive" is a set of killed peer ids instead of advert expiry. Cheaper to start than
-:class:`node.testing.process_swarm.ProcessSwarm` and steppable from a test, so the training tests,
+:class:`node.launch.process_swarm.ProcessSwarm` and steppable from a test, so the training tests,
 fault-injection tests and benchmarks use it; ``skippipe up --in-process`` too.
 """
 
@@ -39,7 +39,7 @@ class InProcessSwarm:
         """``emulation_for(i, members)``: optional per-node :class:`node.dataplane.emulation.Emulation` (off by default).
         ``self.epoch`` may be replaced between iterations (same allocation) to switch schedules."""
         self.emulation_for = emulation_for
-        #: ``faults_for(i)``: optional per-node :class:`node.testing.faults.FaultInjector` (deterministic fault tests)
+        #: ``faults_for(i)``: optional per-node :class:`node.train.faults.FaultInjector` (deterministic fault tests)
         self.faults_for = faults_for
         #: peer ids of nodes that were killed; stands in for the daemon's view (advert expiry) here
         self.dead: set = set()

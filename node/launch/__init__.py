@@ -1,0 +1,1 @@
+"""Local swarms the product starts: ``skippipe up`` and ``skippipe swarm local`` (and the tests, through them)."""
