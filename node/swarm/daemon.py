@@ -141,6 +141,8 @@ class Daemon:
         self.epoch_changed = asyncio.Event()
         #: Set by a training service: the first iteration a new schedule epoch may start at.
         self.training_progress: Callable[[float], int | None] | None = None
+        #: Set by a training service: the iteration it last committed (None while not training).
+        self.training_iteration: Callable[[], int | None] | None = None
         self.started_at = time.time()
         self.membership = Membership(self)
         self.gossip_access = GossipAccessControl(lambda: self.access, lambda: self.view, self.is_peer_allowed,
@@ -415,8 +417,7 @@ class Daemon:
             self.membership.on_gossip,
         )
         await self.gossip.start()
-        self.admission = Admission(self.peer_id, self.config_digest, challenge_over_p2p(self), lambda: self.stages,
-                                   self.log)
+        self.admission = _admission_of(self)
         self.coordinator = Coordinator(
             run_id=cfg.run_id,
             identity=self.identity,
@@ -570,3 +571,11 @@ def _print_banner(daemon: Daemon) -> None:
         print(line, flush=True)
     if s["rpc_port"]:
         print(f"rpc: http://127.0.0.1:{s['rpc_port']}", flush=True)
+
+
+def _admission_of(daemon: Daemon) -> Admission:
+    """The daemon's admission: challenges over its libp2p host, progress from its training service."""
+    return Admission(
+        daemon.peer_id, daemon.config_digest, challenge_over_p2p(daemon), lambda: daemon.stages, daemon.log,
+        iteration=lambda: daemon.training_iteration() if daemon.training_iteration is not None else None,
+        epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0)
