@@ -71,6 +71,7 @@ from node.net.runconfig import summary_digest
 from node.swarm.admission import Admission, challenge_over_p2p
 from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
+from node.swarm.reachability_watch import ReachabilityWatch
 from node.swarm.rpc_api import DaemonRpcApi, members_only
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import NodeLogger, NodeState, Phase
@@ -103,7 +104,8 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig, services: Sequence[DaemonService] = ()):
         self.config = config
-        self.services: list[DaemonService] = list(services)
+        self.reachability = ReachabilityWatch()  # a service: learns how others reach us, keeps learning
+        self.services: list[DaemonService] = [self.reachability, *services]
         self.log = NodeLogger(logger)
         self.identity: NodeIdentity | None = None
         self.peer_id: str = ""
@@ -282,7 +284,7 @@ class Daemon:
             rpc_port=self.rpc.http_port,
             location=cfg.location,
             timestamp=time.time(),
-            config_digest=self.config_digest,
+            config_digest=self.config_digest, reachability=self.reachability.value,
         )
 
     def gossip_maddrs(self) -> list[str]:
@@ -569,6 +571,7 @@ def _print_banner(daemon: Daemon) -> None:
         print("started a new swarm; others join with:", flush=True)
     for line in join_lines_for_daemon(daemon.config, daemon.services, joinable):
         print(line, flush=True)
+    print(daemon.reachability.line(), flush=True)
     if s["rpc_port"]:
         print(f"rpc: http://127.0.0.1:{s['rpc_port']}", flush=True)
 
