@@ -1,4 +1,4 @@
-"""Convergence of SkipPipe training vs the full pipeline, for the same tokens (issue #7 item 4).
+"""Convergence of SkipPipe training vs the full pipeline, for the same tokens.
 
 Why: skipping a third of the stages per microbatch makes iterations cheaper, but only pays off
 if the model still converges about as well per token. This trains the same model twice in one

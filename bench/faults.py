@@ -1,4 +1,4 @@
-"""Fault benchmark (issue #6 item 9): what losing nodes, and gaining one, costs a training swarm.
+"""Fault benchmark: what losing nodes, and gaining one, costs a training swarm.
 
 Why: the README's failure rule ("When nodes fail, join or leave") promises that training goes on
 when volunteers crash or arrive. This measures how much it costs, on real daemons: one swarm of

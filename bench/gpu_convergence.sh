@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/convergence.py with --model small on one GPU, sized to a time budget (issue #7 item 4 at a
+# bench/convergence.py with --model small on one GPU, sized to a time budget (at a
 # larger scale than 2 CPU cores allow). Both variants train side by side on the GPU (--jobs 2).
 #
 # Why sized at run time: a GPU lease is short and the speed of a launch-bound small model on an

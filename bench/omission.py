@@ -1,4 +1,4 @@
-"""Omission table (issue #6 item 9): perplexity with stages left out, skip-trained vs full-trained.
+"""Omission table: perplexity with stages left out, skip-trained vs full-trained.
 
 Why: the paper reports that a model trained with SkipPipe loses little perplexity when whole
 stages are missing at inference (+7% with half the model), which is what makes a swarm usable

@@ -24,6 +24,7 @@ from .limits import DEFAULT_MAX_BYTES
 from .messages import (
     ActivationMessage,
     GradientMessage,
+    HopMessage,
     HopFailure,
     IterationDone,
     LinkReport,
@@ -57,6 +58,7 @@ __all__ = [
     "MicrobatchId",
     "ActivationMessage",
     "GradientMessage",
+    "HopMessage",
     "HopFailure",
     "IterationDone",
     "NormReport",

@@ -27,6 +27,7 @@ __all__ = [
     "register_message",
     "DEFAULT_MAX_BYTES",
     "MicrobatchId",
+    "HopMessage",
     "ActivationMessage",
     "GradientMessage",
     "HopFailure",
@@ -113,50 +114,43 @@ class MicrobatchId:
                       attempt=self.attempt)
 
 
-@register_message
 @dataclass(frozen=True)
-class ActivationMessage:
-    """Forward pass: a microbatch's activations sent to ``route[hop]``.
+class HopMessage:
+    """One hop of a microbatch: its tensor sent to ``route[hop]``. The two directions share every field and
+    check; they differ only in their wire ``TYPE`` (:class:`ActivationMessage`, :class:`GradientMessage`).
 
     ``route`` lists peer ids from the data node back to it (``route[0] == route[-1] ==
     mb.data_node``); ``hop`` is the receiver's index in ``route``.
     """
 
-    TYPE: ClassVar[str] = "activation"
-
     mb: MicrobatchId
     hop: int
     route: tuple[str, ...]
     tensor: TensorFrame
     #: WAN emulation only (None otherwise): the Unix time at which the emulated link delivers
-    #: these activations; the receiver holds the message until then (see ``_check_delivery``).
+    #: this tensor; the receiver holds the message until then (see ``_check_delivery``).
     deliver_at_unix: float | None = None
 
     def validate(self, options: DecodeOptions) -> None:
         """The route is closed at the data node and ``hop`` indexes it; an emulated delivery time is finite."""
-        _check_route("ActivationMessage", self.mb, self.hop, self.route)
-        _check_delivery("ActivationMessage", self.deliver_at_unix)
+        _check_route(type(self).__name__, self.mb, self.hop, self.route)
+        _check_delivery(type(self).__name__, self.deliver_at_unix)
 
 
 @register_message
 @dataclass(frozen=True)
-class GradientMessage:
+class ActivationMessage(HopMessage):
+    """Forward pass: a microbatch's activations, ``hop`` increasing along the route."""
+
+    TYPE: ClassVar[str] = "activation"
+
+
+@register_message
+@dataclass(frozen=True)
+class GradientMessage(HopMessage):
     """Backward pass: gradients w.r.t. the activations, travelling the same route with ``hop`` decreasing."""
 
     TYPE: ClassVar[str] = "gradient"
-
-    mb: MicrobatchId
-    hop: int
-    route: tuple[str, ...]
-    tensor: TensorFrame
-    #: WAN emulation only (None otherwise): the Unix time at which the emulated link delivers
-    #: these gradients; the receiver holds the message until then (see ``_check_delivery``).
-    deliver_at_unix: float | None = None
-
-    def validate(self, options: DecodeOptions) -> None:
-        """The route is closed at the data node and ``hop`` indexes it; an emulated delivery time is finite."""
-        _check_route("GradientMessage", self.mb, self.hop, self.route)
-        _check_delivery("GradientMessage", self.deliver_at_unix)
 
 
 @register_message

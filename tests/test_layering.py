@@ -28,8 +28,9 @@ NODE_LAYERS = {
     "testing": {"net", "dataplane", "train", "eval", "ops", "swarm"},
     "cli": {"net", "dataplane", "train", "eval", "ops", "swarm", "testing"},
 }
-#: modules directly in node/ that every subpackage may use: they import nothing of node's subpackages.
-NODE_SHARED = {"errors", "compat", "__init__"}
+#: modules directly in node/ that every subpackage may use: they import nothing of node's subpackages
+#: (``spec``: the training flags a run shares, read by the command line and the daemon's join banner).
+NODE_SHARED = {"errors", "compat", "spec", "__init__"}
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:

@@ -79,13 +79,14 @@ def add_emulation_arguments(parser: argparse.ArgumentParser, *, location: bool =
 def emulation_from_args(args: argparse.Namespace, *, require_location: bool = True) -> Optional[EmulationSettings]:
     """The settings of the flags, or None when nothing is emulated (the default).
 
-    ``require_location=False`` for commands that place many nodes themselves (``skippipe up``: round-robin).
+    ``require_location=False`` for commands that place many nodes themselves (``skippipe up``: round-robin; it has
+    no ``--location``) or plan for every location (``--schedule-cost emulation``): the settings carry no location.
     """
-    profile = getattr(args, "network_profile", None)
-    compute = getattr(args, "compute_s_per_sample_per_layer", None)
+    profile = args.network_profile
+    compute = args.compute_s_per_sample_per_layer
     if profile is None and compute is None:
         return None
-    settings = EmulationSettings(network_profile=profile, location=getattr(args, "location", None),
+    settings = EmulationSettings(network_profile=profile, location=args.location if require_location else None,
                                  latency_scale=float(args.latency_scale), bandwidth_scale=float(args.bandwidth_scale),
                                  hop_overhead_s=float(args.hop_overhead_s), compute_s_per_sample_per_layer=compute)
     if profile is not None and require_location and not settings.location:

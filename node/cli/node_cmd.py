@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node.swarm.config import DEFAULT_HEARTBEAT_S, DEFAULT_HOST_MADDRS, DEFAULT_MEMORY_SLOTS, DEFAULT_RUN_ID, DaemonConfig, default_identity_path
 from node.errors import UserError
+from node.train.precision import DEVICES
 from node.cli.validate import (MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range, maddr_list_item,
                                port)
 
@@ -67,7 +68,7 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", type=Path, default=None,
                    help=f"RSA identity file, created on first use (default {default_identity_path()})")
     p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="name of the training run (default %(default)s)")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+    p.add_argument("--device", choices=list(DEVICES), default="cpu",
                    help="torch device of this node's stage (auto: cuda when available; default cpu)")
     p.add_argument("--location", default=None, help="free-form location label shown to peers")
     p.add_argument("--rpc-port", type=port(allow_zero=True, allow_off=True), default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
@@ -95,7 +96,7 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
     forward seconds per microbatch and, per ordered pair of locations, latency + activation bytes /
     bandwidth + hop overhead, exactly as :mod:`node.dataplane.emulation` delays them (scaled profile, the
     trainer's model and microbatch shape). None for ``measured``."""
-    source = getattr(args, "schedule_cost", "measured")
+    source = args.schedule_cost
     if source == "measured":
         return None
     if source != "emulation":
@@ -110,12 +111,12 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
     from scheduler.cost import GIB, ModelShape, activation_bytes, transfer_time_s
 
     profile = settings.load_profile()
-    model = getattr(args, "model", "tiny")
+    model = args.model
     mcfg = model_config(model)
-    seq_len = getattr(args, "seq_len", None) or (min(mcfg.context, 64) if model == "tiny" else mcfg.context)
+    seq_len = args.seq_len or (min(mcfg.context, 64) if model == "tiny" else mcfg.context)
     shape = ModelShape(layers_per_stage=mcfg.layers_per_stage, d_model=mcfg.d_model, seq_len=seq_len,
-                       samples_per_microbatch=getattr(args, "microbatch_size", 8),
-                       bytes_per_element=wire_bytes_per_element(getattr(args, "wire", "fp32")))  # --wire's real size
+                       samples_per_microbatch=args.microbatch_size,
+                       bytes_per_element=wire_bytes_per_element(args.wire))  # --wire's real size
     nbytes = activation_bytes(shape)
     locs = list(profile.locations)
 
@@ -130,8 +131,8 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
 
 def _model_file_stages(args: argparse.Namespace) -> int | None:
     """The stage count of ``--model-config`` (with ``--train``): the run's ``--num-stages`` unless given."""
-    path = getattr(args, "model_config", None)
-    if path is None or not getattr(args, "train", False):
+    path = args.model_config
+    if path is None or not args.train:
         return None
     from node.train.model import load_model_config_file
 
@@ -165,10 +166,10 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         limits = dict(rpc_rate_per_s=args.rpc_rate, rpc_burst=burst, http_rate_per_s=args.rpc_rate, http_burst=burst)
     elif args.rpc_burst is not None:
         limits = dict(rpc_burst=args.rpc_burst, http_burst=args.rpc_burst)
-    policy = getattr(args, "schedule_policy", "skippipe")
+    policy = args.schedule_policy
     if policy not in SCHEDULE_POLICIES:
         raise UserError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {policy!r}")
-    budget = getattr(args, "schedule_budget", None)
+    budget = args.schedule_budget
     if budget is not None and budget <= 0:
         raise UserError("--schedule-budget must be positive")
     if args.num_stages is not None and args.stages is not None and max(args.stages) >= args.num_stages:
@@ -217,9 +218,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
 
 def setup_logging(level: str) -> None:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", HIVEMIND_LOG_LEVEL)
-    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.getLevelName(level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("libp2p", "multiaddr", "hivemind", "asyncio"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level)))
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -235,7 +236,7 @@ def _run(args: argparse.Namespace) -> int:
     services = training_services_from_args(args)
     from node.swarm.daemon import run_daemon  # heavy imports only when actually running
 
-    return run_daemon(config, services, exit_when_done=getattr(args, "exit_when_done", False))
+    return run_daemon(config, services, exit_when_done=args.exit_when_done)
 
 
 def register(subparsers) -> None:

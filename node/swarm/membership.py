@@ -20,7 +20,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import LinkReport, MembershipEvent, ScheduleEpoch, decode, encode
 
 if TYPE_CHECKING:
-    from node.swarm.daemon import Daemon
+    from node.swarm.host import SwarmHost
 
 __all__ = ["Membership", "gossip_topics"]
 
@@ -48,7 +48,7 @@ def gossip_topics(run_id: str) -> dict[str, str]:
 class Membership:
     """Keeps our adverts fresh, the view current, gossip connected and the coordinator ticking."""
 
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: "SwarmHost"):
         self.daemon = daemon
         self.topics = gossip_topics(daemon.config.run_id)
         #: Seconds the last announce / view refresh took (exposed in status: load indicator).

@@ -20,7 +20,7 @@ from node.net.reachability import (DIALBACK_PROTOCOL, DialbackHandler, Reachabil
 from protocol.messages import Reachability
 
 if TYPE_CHECKING:
-    from node.swarm.daemon import Daemon
+    from node.swarm.host import SwarmHost
 
 __all__ = ["ReachabilityWatch", "RECHECK_UNKNOWN_S", "RECHECK_KNOWN_S", "MAX_ASKED_PEERS"]
 
@@ -39,7 +39,7 @@ class ReachabilityWatch:
     start-up line can say how others reach us) and keeps asking in the background; ``stop()`` ends that."""
 
     def __init__(self) -> None:
-        self.daemon: "Daemon | None" = None
+        self.daemon: "SwarmHost | None" = None
         self.report = ReachabilityReport(Reachability.UNKNOWN)
         self.handler = DialbackHandler()
         self._task: asyncio.Task | None = None
@@ -48,7 +48,7 @@ class ReachabilityWatch:
     def value(self) -> str:
         return self.report.reachability.value
 
-    async def start(self, daemon: "Daemon") -> None:
+    async def start(self, daemon: "SwarmHost") -> None:
         self.daemon = daemon
         await daemon.p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, self.handler)
         await self.check()

@@ -21,7 +21,7 @@ from node.ops.dashboard import dashboard_html
 from node.ops.metrics import METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from node.swarm.daemon import Daemon
+    from node.swarm.host import SwarmHost
 
 __all__ = ["DaemonRpcApi", "members_only"]
 
@@ -35,7 +35,7 @@ DEFAULT_RECENT_ITERATIONS = 200
 OPEN_METHODS = frozenset({"hello", "health"})
 
 
-def rpc_refusal(daemon: "Daemon", name: str, params: dict) -> str | None:
+def rpc_refusal(daemon: "SwarmHost", name: str, params: dict) -> str | None:
     """Why a call of ``name`` must be refused (see the module docstring), or None."""
     access = daemon.access
     if name in OPEN_METHODS or access is None or access.swarm_key is None:
@@ -50,7 +50,7 @@ def rpc_refusal(daemon: "Daemon", name: str, params: dict) -> str | None:
     return "access denied: this swarm's state is readable by members only (pass --swarm-key FILE)"
 
 
-def members_only(daemon: "Daemon", name: str, method: Callable[[dict], Awaitable[Any]]):
+def members_only(daemon: "SwarmHost", name: str, method: Callable[[dict], Awaitable[Any]]):
     """``method`` behind :func:`rpc_refusal` (a refusal is raised as PermissionError, logged once per caller)."""
     if name in OPEN_METHODS:
         return method
@@ -73,7 +73,7 @@ class DaemonRpcApi:
     """``hello``, ``status``, ``swarm``, ``schedule``, ``health``, ``iterations``, ``traffic``, ``admit``,
     ``/metrics``, ``/``."""
 
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: "SwarmHost"):
         self.daemon = daemon
 
     def register(self) -> None:

@@ -34,6 +34,8 @@ from typing import Awaitable, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from protocol.compression import wire_format
+
 __all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on", "AVERAGING_COMPRESSIONS",
            "averaging_compression_for_wire", "hivemind_compression"]
 
@@ -53,17 +55,12 @@ def import_hivemind():
 #: scalars", measured with numpy 2.4.6 here), so every all-reduce part would fail on the receiving side.
 AVERAGING_COMPRESSIONS = {"none": "NoCompression", "fp16": "Float16Compression",
                           "scaled-fp16": "ScaledFloat16Compression"}
-#: The run's wire format (``--wire``) -> the compression of its gradient averaging: fp32 stays exact,
-#: every narrower wire averages in fp16 (int8 too: see above why not 8 bits).
-_FOR_WIRE = {"fp32": "none", "bf16": "fp16", "fp16": "fp16", "int8": "fp16"}
 
 
 def averaging_compression_for_wire(wire: str) -> str:
-    """The averaging compression that goes with wire format ``wire`` (fp32 -> none, bf16/fp16/int8 -> fp16)."""
-    try:
-        return _FOR_WIRE[wire]
-    except KeyError:
-        raise ValueError(f"unknown wire format {wire!r}; expected one of {sorted(_FOR_WIRE)}") from None
+    """The averaging compression that goes with wire format ``wire`` (the wire table,
+    :data:`protocol.compression.WIRE_TABLE`: fp32 -> none, bf16/fp16/int8 -> fp16; see above why not 8 bits)."""
+    return wire_format(wire).averaging
 
 
 def hivemind_compression(name: str):

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Mapping, Optional, Tuple
 
 from node.net.records import NormRecord, read_norm_records, write_norm_record
 from protocol.messages import NormReport
@@ -38,9 +38,6 @@ from node.train.common import DoneFromNorm, IterationState, IterationStats, Node
 from node.train.precision import loss_scales_agree
 from node.train.runtime import clip_coefficient
 from node.train.screening import AveragingScreen, robust_squared_norm
-
-if TYPE_CHECKING:
-    from node.train.trainer import TrainerNode
 
 __all__ = ["IterationCommit", "resync_source", "majority_replicas", "global_squared_norm", "norm_report",
            "record_of_report"]
@@ -106,12 +103,22 @@ def record_of_report(msg: NormReport) -> NormRecord:
 
 
 class IterationCommit:
-    """Averaging, norm exchange, clipping, resync and step of one :class:`TrainerNode`."""
+    """Averaging, norm exchange, clipping, resync and step of one trainer."""
 
-    def __init__(self, node: "TrainerNode"):
-        self.node = node
-        self.cfg = node.cfg
-        self.log = NodeLog(logger, node.node_name)
+    def __init__(self, cfg, *, peer_id: str, node_name: str, epochs, progress, health, resources, sender,
+                 compute: Callable[..., Awaitable], expected_state: Callable[[], object], p2p=None, dht=None,
+                 faults=None, emulation=None):
+        """``epochs``, ``progress``, ``health``, ``resources``, ``sender``: the trainer's epoch tracker,
+        :class:`node.train.progress.IterationProgress`, peer health, stage resources (runtime, averager) and hop
+        sender; ``await compute(fn)`` runs device work on the compute thread; ``expected_state()``: the shapes a
+        downloaded state must have; ``p2p``/``dht``: for a re-sync and the norm records; ``faults``: an optional
+        fault injector; ``emulation``: the optional WAN emulation (averaging is padded to its all-reduce time)."""
+        self.cfg = cfg
+        self.peer_id, self.node_name = peer_id, node_name
+        self.epochs, self.progress, self.health, self.resources, self.sender = epochs, progress, health, resources, sender
+        self.compute, self.expected_state = compute, expected_state
+        self.p2p, self.dht, self.faults, self.emulation = p2p, dht, faults, emulation
+        self.log = NodeLog(logger, node_name)
         self.resyncs = 0
         #: iteration -> peer -> the record its direct NormReport carried
         self._reports: Dict[int, Dict[str, NormRecord]] = {}
@@ -132,9 +139,8 @@ class IterationCommit:
     # ------------------------------------------------------------------ direct norm reports
     def on_norm_report(self, msg: NormReport, sender: str) -> None:
         """Data-plane callback: a member's numbers for an iteration (the guard checked the sender)."""
-        node = self.node
-        if (msg.run_id != self.cfg.run_id or sender != msg.peer_id or msg.iteration <= node.committed_iteration
-                or msg.iteration > node.current_iteration + 1):
+        if (msg.run_id != self.cfg.run_id or sender != msg.peer_id or msg.iteration <= self.progress.committed
+                or msg.iteration > self.progress.current + 1):
             return
         self._reports.setdefault(msg.iteration, {})[msg.peer_id] = record_of_report(msg)
         if self._report_arrived is not None:
@@ -142,7 +148,7 @@ class IterationCommit:
 
     def direct_records(self, it: int) -> Dict[str, NormRecord]:
         """Iteration ``it``'s records of the members that reached us directly."""
-        members = set(self.node.members)
+        members = set(self.epochs.members)
         return {p: r for p, r in self._reports.get(it, {}).items() if p in members}
 
     def _forget_reports(self, it: int) -> None:
@@ -150,21 +156,19 @@ class IterationCommit:
             del self._reports[old]
 
     def _send_reports(self, it: int, record: NormRecord) -> None:
-        node = self.node
-        if node.dataplane is None:
+        if self.sender.dataplane is None:
             return
-        msg = norm_report(self.cfg.run_id, it, node.peer_id, record)
-        for peer in node.members:
-            if peer != node.peer_id and node.health.is_alive(peer):
-                node.pipeline.send_control(peer, msg)
+        msg = norm_report(self.cfg.run_id, it, self.peer_id, record)
+        for peer in self.epochs.members:
+            if peer != self.peer_id and self.health.is_alive(peer):
+                self.sender.send_control(peer, msg)
 
     def _write_record(self, it: int, record: NormRecord) -> None:
         """Store our record in the DHT in the background (the fallback for members our report missed)."""
-        node = self.node
 
         async def write() -> None:
             try:
-                await write_norm_record(node.dht, self.cfg.run_id, it, node.peer_id, record,
+                await write_norm_record(self.dht, self.cfg.run_id, it, self.peer_id, record,
                                         ttl_s=self.cfg.norm_record_ttl_s)
             except asyncio.CancelledError:
                 raise
@@ -178,21 +182,20 @@ class IterationCommit:
     async def commit(self, it: int, st: IterationState, t0: float, t_mb: float,
                      behind: Tuple[float, float]) -> IterationStats:
         """Average, exchange norms, clip and step iteration ``it``; returns its statistics."""
-        node = self.node
-        runtime = node.runtime
+        runtime = self.resources.runtime
         assert runtime is not None
         dropped = sum(int(d.dropped) for d in st.done.values())
         averaged = await self._average(it)
         t_avg = time.perf_counter()
         # device work (norm, checksum) runs in the compute thread, never on the event loop
-        sq, checksum = await node.pipeline.compute(lambda: (runtime.grad_squared_norm(), runtime.checksum()))
+        sq, checksum = await self.compute(lambda: (runtime.grad_squared_norm(), runtime.checksum()))
         mine = NormRecord(
-            stage=node.stage, sq=sq, checksum=checksum, epoch=node.epoch.epoch, loss_scale=runtime.loss_scale,
-            loss_sum=float(sum(st.losses)), n_mb=len(st.losses), tokens=st.tokens if node.is_data_node else 0,
-            dropped=st.dropped if node.is_data_node else 0,
-            avg_group=tuple(node.averager.last_group) if averaged and node.averager is not None else ())
-        if node.faults:  # rehearsing a bad member: the report says what the rule makes it say
-            mine = replace(mine, sq=float(node.faults.tamper(it, "norm", mine.sq)))
+            stage=self.epochs.stage, sq=sq, checksum=checksum, epoch=self.epochs.epoch.epoch, loss_scale=runtime.loss_scale,
+            loss_sum=float(sum(st.losses)), n_mb=len(st.losses), tokens=st.tokens if (self.epochs.stage == 0) else 0,
+            dropped=st.dropped if (self.epochs.stage == 0) else 0,
+            avg_group=tuple(self.resources.averager.last_group) if averaged and self.resources.averager is not None else ())
+        if self.faults:  # rehearsing a bad member: the report says what the rule makes it say
+            mine = replace(mine, sq=float(self.faults.tamper(it, "norm", mine.sq)))
         records = await self._exchange_norms(it, mine)
         verdict = robust_squared_norm(records)
         self._blame_reports(it, verdict.excluded)
@@ -200,32 +203,32 @@ class IterationCommit:
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
         t_norm = time.perf_counter()
         source = self._resync_source(records, mine.checksum)
-        majority = majority_replicas(self._trusted_checksums(records), node.stage,
+        majority = majority_replicas(self._trusted_checksums(records), self.epochs.stage,
                                      self.cfg.resync_tolerance) if source is not None else []
         # a member whose own report was left out steps on nothing (its gradient is the outlier)
-        finite = math.isfinite(total_sq) and math.isfinite(mine.sq) and node.peer_id not in verdict.excluded
+        finite = math.isfinite(total_sq) and math.isfinite(mine.sq) and self.peer_id not in verdict.excluded
         # fp16: a member whose loss scale differs from the canonical data node's skips, like on an overflow,
         # and is re-synced; step()/skip_step() update the scale (halved on a skip)
         finite = finite and loss_scales_agree(records, runtime.loss_scale)
 
         def step() -> None:
             if not finite:  # a poisoned gradient is never applied (replicas that stepped re-sync us)
-                self.log.warning("non-finite gradient norm at iteration %d; stage %d skips this step", it, node.stage)
+                self.log.warning("non-finite gradient norm at iteration %d; stage %d skips this step", it, self.epochs.stage)
                 runtime.skip_step()
             else:
                 if averaged:
                     self.screen.accepted(mine.sq)
                 runtime.scale_grads(coef)
                 runtime.step()
-            node.stage_state.state_iteration = it
+            self.progress.state_iteration = it
 
         if source is not None:
             await self._resync(source, it, majority)
         else:
-            await node.pipeline.compute(step)
+            await self.compute(step)
         n_mb = sum(r.n_mb for r in records.values())
         return IterationStats(
-            iteration=it, epoch=node.epoch.epoch, loss=sum(r.loss_sum for r in records.values()) / max(n_mb, 1),
+            iteration=it, epoch=self.epochs.epoch.epoch, loss=sum(r.loss_sum for r in records.values()) / max(n_mb, 1),
             microbatches=n_mb, tokens=sum(r.tokens for r in records.values()),
             seconds=time.perf_counter() - t0, grad_norm=math.sqrt(total_sq), clip_coef=coef,
             active_nodes=len(records), local_visits=runtime.visits, averaged=averaged,
@@ -237,94 +240,89 @@ class IterationCommit:
         """Count the members whose norm reports were left out as faulty (banned after a few)."""
         for peer, why in sorted(excluded.items()):
             self.excluded_reports += 1
-            if peer == self.node.peer_id:
+            if peer == self.peer_id:
                 self.log.warning("our norm report of iteration %d was left out (%s); skipping our step", it, why)
             else:
-                self.node.health.fault(peer, f"norm report of iteration {it}: {why}")
+                self.health.fault(peer, f"norm report of iteration {it}: {why}")
 
     # ------------------------------------------------------------------ averaging
     def prepare_averaging(self) -> None:
         """At the start of an iteration: let the stage's averager find its group while the
         microbatches run (matchmaking off the critical path; see StageAverager.prepare)."""
-        node = self.node
-        if node.averager is None:
+        if self.resources.averager is None:
             return
         if len(self._live_replicas()) < 2:
             return
-        last = node.history[-1].microbatch_s if node.history else self.cfg.averaging.matchmaking_timeout_s
-        node.averager.prepare(expected_s=last)
+        last = self.progress.history[-1].microbatch_s if self.progress.history else self.cfg.averaging.matchmaking_timeout_s
+        self.resources.averager.prepare(expected_s=last)
 
     def _live_replicas(self) -> list:
-        node = self.node
-        return [p for p in node.epochs.replicas(node.stage) if node.health.is_alive(p)]
+        return [p for p in self.epochs.replicas(self.epochs.stage) if self.health.is_alive(p)]
 
     async def _average(self, it: int) -> Optional[bool]:
-        node = self.node
-        assert node.runtime is not None
-        group = node.epochs.replicas(node.stage)
+        assert self.resources.runtime is not None
+        group = self.epochs.replicas(self.epochs.stage)
         live = self._live_replicas()
-        await node.pipeline.compute(node.runtime.mean_grads)  # device work: in the compute thread
-        if node.averager is None or len(live) < 2:
-            if node.averager is not None:
-                node.averager.cancel_prepared()
+        await self.compute(self.resources.runtime.mean_grads)  # device work: in the compute thread
+        if self.resources.averager is None or len(live) < 2:
+            if self.resources.averager is not None:
+                self.resources.averager.cancel_prepared()
                 self.log.warning("stage %d averaging skipped at iteration %d: no other replica in the view (%s)",
-                                 node.stage, it, ", ".join(p[-8:] for p in group if p != node.peer_id))
+                                 self.epochs.stage, it, ", ".join(p[-8:] for p in group if p != self.peer_id))
             return None
-        epoch = node.epoch.epoch
+        epoch = self.epochs.epoch.epoch
 
         async def groupmates_gone_on() -> bool:
             known = {**(await self.norm_records(it) or {}), **self.direct_records(it)}
             records = {p: r.to_dict() for p, r in known.items()}
-            return groupmates_went_on(node.peer_id, group, records, epoch, node.health.is_alive)
+            return groupmates_went_on(self.peer_id, group, records, epoch, self.health.is_alive)
 
-        runtime = node.runtime
-        if node.faults:  # rehearsing a bad member: a poisoned contribution
-            rule = node.faults.corruption(it, "average")
+        runtime = self.resources.runtime
+        if self.faults:  # rehearsing a bad member: a poisoned contribution
+            rule = self.faults.corruption(it, "average")
             if rule is not None:
-                await node.pipeline.compute(lambda: [g.copy_(node.faults.corrupt_value(rule, g))
+                await self.compute(lambda: [g.copy_(self.faults.corrupt_value(rule, g))
                                                      for g in runtime.grads() if g is not None])
-        bound = self.screen.bound(await node.pipeline.compute(runtime.grad_squared_norm))
+        bound = self.screen.bound(await self.compute(runtime.grad_squared_norm))
         t0 = time.monotonic()
-        ok = await node.averager.average(runtime.grads(), weight=float(runtime.visits),
+        ok = await self.resources.averager.average(runtime.grads(), weight=float(runtime.visits),
                                          abandon_when=groupmates_gone_on, max_norm=bound)
         await self._pad_averaging(live, time.monotonic() - t0)
-        if not ok and node.averager.last_outlier is not None:
-            self._blame_average(it, live, node.averager.last_outlier, bound)
+        if not ok and self.resources.averager.last_outlier is not None:
+            self._blame_average(it, live, self.resources.averager.last_outlier, bound)
         elif not ok:
             self.log.warning("stage %d averaging failed; stepping with the local mean gradient (replicas are "
-                             "re-synced by checksum next iteration)", node.stage)
+                             "re-synced by checksum next iteration)", self.epochs.stage)
         return ok
 
     def _blame_average(self, it: int, live, norm: float, bound: Optional[float]) -> None:
         """An averaged gradient far above our own: with one groupmate, it sent the poison (banned now);
         with more, the culprit cannot be named and each honest replica keeps its own gradient."""
-        node = self.node
         self.averaging_outliers += 1
-        others = [p for p in live if p != node.peer_id]
+        others = [p for p in live if p != self.peer_id]
         self.log.warning("stage %d averaging of iteration %d gave a gradient of norm %.3g (bound %.3g); stepping "
-                         "with the local mean gradient", node.stage, it, norm, bound or math.nan)
+                         "with the local mean gradient", self.epochs.stage, it, norm, bound or math.nan)
         if len(others) == 1:
-            node.health.fault(others[0], f"its averaging contribution of iteration {it} made the mean {norm:.3g} "
+            self.health.fault(others[0], f"its averaging contribution of iteration {it} made the mean {norm:.3g} "
                                          f"(bound {bound:.3g})", ban_now=True)
 
     def emulated_allreduce_s(self, group) -> float:
         """Seconds the all-reduce of our gradients among ``group`` takes on the emulated links (the
         slowest link of the group, :func:`scheduler.simulator.allreduce_time_s`); 0 without link
         emulation or when a link of the group is not emulated."""
-        node = self.node
-        emulation = node.emulation
-        if emulation is None or getattr(emulation, "link_emulator", None) is None or node.runtime is None:
+        emulation = self.emulation
+        if emulation is None or emulation.link_emulator is None or self.resources.runtime is None:
             return 0.0
         peers = list(dict.fromkeys(group))
         if len(peers) < 2:
             return 0.0
-        links = {(a, b): emulation.link_between(a, b, node.peer_id) for a in peers for b in peers if a != b}
+        links = {(a, b): emulation.link_between(a, b, self.peer_id) for a in peers for b in peers if a != b}
         if any(link is None for link in links.values()):
             return 0.0
         n = len(peers)
         latency = [[0.0 if i == j else links[peers[i], peers[j]].latency_s for j in range(n)] for i in range(n)]
         bandwidth = [[1.0 if i == j else links[peers[i], peers[j]].bandwidth_Bps for j in range(n)] for i in range(n)]
-        nbytes = sum(g.numel() * g.element_size() for g in node.runtime.grads() if g is not None)
+        nbytes = sum(g.numel() * g.element_size() for g in self.resources.runtime.grads() if g is not None)
         return allreduce_time_s(nbytes, range(n), latency, bandwidth)
 
     async def _pad_averaging(self, group, took_s: float) -> None:
@@ -342,10 +340,10 @@ class IterationCommit:
     async def norm_records(self, it: int) -> Optional[Dict[str, NormRecord]]:
         """Iteration ``it``'s norm records of the members (peer id -> record), read from the DHT;
         None when the read found nothing (a miss under load is not "nobody published")."""
-        records = await read_norm_records(self.node.dht, self.cfg.run_id, it, members=set(self.node.members))
+        records = await read_norm_records(self.dht, self.cfg.run_id, it, members=set(self.epochs.members))
         if records is None:
             return None
-        members = set(self.node.members)
+        members = set(self.epochs.members)
         return {p: r for p, r in records.items() if p in members}
 
     async def _exchange_norms(self, it: int, record: NormRecord) -> Dict[str, NormRecord]:
@@ -357,9 +355,8 @@ class IterationCommit:
         that switched epochs at another boundary (it missed an announcement) never mixes its
         numbers into ours. Records also carry pending epochs, so the union of what the members
         know reaches everyone at every barrier, and all switch at the same boundary."""
-        node = self.node
-        mine = node.epoch.epoch
-        record = replace(record, epochs=tuple(node.epochs.to_announce(it)))
+        mine = self.epochs.epoch.epoch
+        record = replace(record, epochs=tuple(self.epochs.to_announce(it)))
         if self._report_arrived is None:
             self._report_arrived = asyncio.Event()
         self._send_reports(it, record)
@@ -372,27 +369,27 @@ class IterationCommit:
         while True:
             self._report_arrived.clear()
             direct = self.direct_records(it)
-            found = {**from_dht, **direct, node.peer_id: record}
-            done = all(p in found or not node.health.is_alive(p) for p in node.members)
+            found = {**from_dht, **direct, self.peer_id: record}
+            done = all(p in found or not self.health.is_alive(p) for p in self.epochs.members)
             if not done and time.monotonic() > deadline:
-                missing = [p for p in node.members if p not in found and node.health.is_alive(p)]
+                missing = [p for p in self.epochs.members if p not in found and self.health.is_alive(p)]
                 for p in missing:
-                    node.health.suspect(p, f"no gradient norm for iteration {it} in "
+                    self.health.suspect(p, f"no gradient norm for iteration {it} in "
                                            f"{self.cfg.norm_exchange_timeout_s:.0f}s")
                 self.log.warning("going on without the norms of %s for iteration %d", [p[-8:] for p in missing], it)
                 done = True
             if done:
-                self.norms_from_dht += sum(1 for p in found if p not in direct and p != node.peer_id)
+                self.norms_from_dht += sum(1 for p in found if p not in direct and p != self.peer_id)
                 self._forget_reports(it)
-                node.epochs.learn(r.epochs for r in found.values())
+                self.epochs.learn(r.epochs for r in found.values())
                 others = {p: r.epoch for p, r in found.items() if r.epoch != mine}
                 if others:
                     self.log.warning("members %s finished iteration %d on other epochs %s (we are on %d); their "
                                      "numbers are left out", [p[-8:] for p in others], it,
                                      sorted(set(others.values())), mine)
                     ahead = max(others.values())
-                    if ahead > mine and not node.epochs.knows(ahead):
-                        await node.epochs.catch_up(ahead)
+                    if ahead > mine and not self.epochs.knows(ahead):
+                        await self.epochs.catch_up(ahead)
                 return {p: r for p, r in found.items() if r.epoch == mine}
             now = time.monotonic()
             if now >= next_read:  # fallback: some report is late or lost
@@ -410,65 +407,60 @@ class IterationCommit:
         record (its direct report, else its DHT record) stands in for an ``IterationDone`` we never got
         (sent while our data plane was not up yet, e.g. a joiner still downloading its state, or lost
         with a broken stream). Without this, such a node would wait forever while the swarm waits for its norm."""
-        node = self.node
         now = time.monotonic()
         if st.all_done.is_set() or now - last_poll < self.cfg.done_poll_s:
             return last_poll
         with contextlib.suppress(Exception):
             direct = self.direct_records(it)
-            waiting = [p for p in node.data_node_peers if p not in st.done]
+            waiting = [p for p in self.epochs.data_node_peers if p not in st.done]
             records = direct if all(p in direct for p in waiting) else {
                 **(await self.norm_records(it) or {}), **direct}
             for peer, r in records.items():
-                if peer in node.data_node_peers and peer not in st.done:
+                if peer in self.epochs.data_node_peers and peer not in st.done:
                     self.log.info("iteration %d of data node %s is done (its norm record; no IterationDone "
                                   "reached us)", it, peer[-8:])
                     st.done[peer] = DoneFromNorm(r.dropped)
-            node.check_done(st)
+            self.progress.check_done(st)
         return time.monotonic()
 
     # ------------------------------------------------------------------ resync
     def _trusted_checksums(self, records: Mapping[str, NormRecord]) -> Dict[str, Tuple[int, float]]:
         """(stage, checksum) of this node and of every member it trusts: a replica this node banned or
         caught misbehaving (a poisoned round, a lying report) is neither a source nor part of a majority."""
-        node = self.node
-        return {p: (r.stage, r.checksum) for p, r in records.items() if p == node.peer_id or node.health.trusted(p)}
+        return {p: (r.stage, r.checksum) for p, r in records.items() if p == self.peer_id or self.health.trusted(p)}
 
     def _resync_source(self, records: Mapping[str, NormRecord], mine: float) -> Optional[str]:
-        node = self.node
-        source = resync_source(self._trusted_checksums(records), mine, node.stage, node.peer_id,
+        source = resync_source(self._trusted_checksums(records), mine, self.epochs.stage, self.peer_id,
                                self.cfg.resync_tolerance)
         if source is not None:
             self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g); re-syncing",
-                             node.stage, source[-8:], mine, records[source].checksum)
+                             self.epochs.stage, source[-8:], mine, records[source].checksum)
         return source
 
     async def _resync(self, source: str, it: int, majority: List[str]) -> None:
         """Take the state of the stage's majority right after its step of ``it`` (from ``source`` when
         the others back it) instead of stepping ourselves."""
         from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
-
-        node = self.node
-        peers = [source] + [p for p in majority if p not in (source, node.peer_id)]
+        peers = [source] + [p for p in majority if p not in (source, self.peer_id)]
         try:
-            snap, _ = await fetch_verified_state(node.p2p, self.cfg.run_id, peers, node.stage, it,
-                                                 expected=node.stage_state.expected(),
-                                                 timeout_s=self.cfg.state_fetch_timeout_s, dht=node.dht)
+            snap, _ = await fetch_verified_state(self.p2p, self.cfg.run_id, peers, self.epochs.stage, it,
+                                                 expected=self.expected_state(),
+                                                 timeout_s=self.cfg.state_fetch_timeout_s, dht=self.dht)
         except StateTransferError as e:
             self.log.warning("re-sync failed (%s); stepping on our own", e)
 
             def step_unclipped() -> None:
-                node.runtime.step()
-                node.stage_state.state_iteration = it
+                self.resources.runtime.step()
+                self.progress.state_iteration = it
 
-            await node.pipeline.compute(step_unclipped)
+            await self.compute(step_unclipped)
             return
         state = snap.state
 
         def load() -> None:
-            node.runtime.load_state_dict(state)
-            node.runtime.reset_grads()
-            node.stage_state.state_iteration = it
+            self.resources.runtime.load_state_dict(state)
+            self.resources.runtime.reset_grads()
+            self.progress.state_iteration = it
 
-        await node.pipeline.compute(load)
+        await self.compute(load)
         self.resyncs += 1

@@ -14,12 +14,10 @@ import collections
 import concurrent.futures
 import logging
 import time
-from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from node.train.common import NodeKilled, NodeLog, Pending, arrival_time, mb_key
-
-if TYPE_CHECKING:
-    from node.train.trainer import TrainerNode
+from protocol import ActivationMessage, GradientMessage, MicrobatchId, TensorFrame
 
 __all__ = ["MicrobatchPipeline"]
 
@@ -27,12 +25,24 @@ logger = logging.getLogger(__name__)
 
 
 class MicrobatchPipeline:
-    """Queues, compute worker and compute calls of one :class:`TrainerNode`."""
+    """Queues, compute worker and compute calls of one trainer."""
 
-    def __init__(self, node: "TrainerNode"):
-        self.node = node
-        self.cfg = node.cfg
-        self.log = NodeLog(logger, node.node_name)
+    def __init__(self, cfg, *, peer_id: str, node_name: str, epochs, progress, resources, sender, life,
+                 memory_slots: Callable[[], int], faults=None, emulated_links: bool = False):
+        """``epochs``: the :class:`node.train.epochs.EpochTracker`; ``progress``, ``resources``, ``life``: the trainer's
+        :class:`node.train.progress.IterationProgress`, :class:`~node.train.progress.StageResources` and
+        :class:`~node.train.progress.LifeView`; ``sender``: the :class:`node.train.sender.HopSender`;
+        ``memory_slots()``: forwards in flight at most; ``faults``: an optional fault injector;
+        ``emulated_links``: arrival times follow the WAN emulation's delivery times. Routing a computed hop is the
+        route recovery's business: :meth:`route_with` hands it over."""
+        self.cfg = cfg
+        self.peer_id, self.node_name = peer_id, node_name
+        self.epochs, self.progress, self.resources, self.sender, self.life = epochs, progress, resources, sender, life
+        self.faults = faults
+        self._memory_slots = memory_slots
+        self._emulated_links = emulated_links
+        self.recovery = None  # node.train.recovery.RouteRecovery, see route_with
+        self.log = NodeLog(logger, node_name)
         self._early: Dict[int, List[object]] = collections.defaultdict(list)
         self._grads: Deque[object] = collections.deque()
         self._returns: Deque[object] = collections.deque()
@@ -52,43 +62,29 @@ class MicrobatchPipeline:
         self.overcommits = 0  # forwards admitted beyond the memory slots to break a cyclic wait
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="skippipe-compute")
         self._worker_task: Optional[asyncio.Task] = None
-        self._send_tasks: set = set()
+
+    def route_with(self, recovery) -> None:
+        """Computed hops go out through ``recovery`` (re-routed or skipped where a peer is gone), which also
+        keeps the data node's pending microbatches."""
+        self.recovery = recovery
 
     # ------------------------------------------------------------------ intake
     def start_worker(self) -> None:
-        self._worker_task = asyncio.create_task(self._worker(), name=f"trainer-worker-{self.node.node_name}")
+        self._worker_task = asyncio.create_task(self._worker(), name=f"trainer-worker-{self.node_name}")
 
-    def on_message(self, msg: object, sender: str) -> None:
-        """Data-plane callback: every message a peer sent this node."""
-        from protocol import ActivationMessage, GradientMessage, HopFailure, IterationDone, NormReport
-
-        node = self.node
-        if node.killed:
-            return
-        if isinstance(msg, IterationDone):
-            node.on_iteration_done(msg)
-            return
-        if isinstance(msg, NormReport):  # the per-iteration barrier (node.train.commit)
-            node.commit.on_norm_report(msg, sender)
-            return
-        if isinstance(msg, HopFailure):
-            if msg.mb.run_id == self.cfg.run_id and msg.mb.data_node == node.peer_id:
-                node.recovery.on_hop_failure(msg, sender)
-            return
-        if not isinstance(msg, (ActivationMessage, GradientMessage)) or msg.mb.run_id != self.cfg.run_id:
-            return
-        arrived = arrival_time(time.monotonic(), time.time(), msg.deliver_at_unix,
-                               getattr(node.emulation, "link_emulator", None) is not None)
-        if msg.route[msg.hop] != node.peer_id:
+    def on_hop(self, msg) -> None:
+        """An activation or gradient of this run addressed to this node (the trainer dispatches)."""
+        arrived = arrival_time(time.monotonic(), time.time(), msg.deliver_at_unix, self._emulated_links)
+        if msg.route[msg.hop] != self.peer_id:
             self.log.warning("misrouted %s for %s", type(msg).__name__, msg.route[msg.hop][-8:])
             return
-        it = msg.mb.iteration
-        if it > node.current_iteration or (it == node.current_iteration and it > self.opened):
+        it, current = msg.mb.iteration, self.progress.current
+        if it > current or (it == current and it > self.opened):
             # never apply iteration i+1 before step i is committed; and between the commit and the
             # start of the next iteration (an epoch switch, a pause) its messages wait here too
             self._early[it].append(msg)
             return
-        if it < node.current_iteration or not self.open:
+        if it < current or not self.open:
             self.log.debug("dropping late %s of iteration %d", type(msg).__name__, it)
             return
         self.enqueue(msg, arrived)
@@ -96,9 +92,7 @@ class MicrobatchPipeline:
     def enqueue(self, msg: object, arrived: Optional[float] = None) -> None:
         """Queue a hop message for the compute worker; ``arrived`` (monotonic, default now) is when
         its work could have started at the earliest (compute emulation counts from then)."""
-        from protocol import GradientMessage
-
-        epoch = self.node.epoch.epoch
+        epoch = self.epochs.epoch.epoch
         if msg.mb.epoch != epoch:
             self.log.warning("dropping %s of epoch %d during epoch %d", type(msg).__name__, msg.mb.epoch, epoch)
             return
@@ -126,42 +120,16 @@ class MicrobatchPipeline:
         """(starts, forwards, losses, gradients) waiting for the worker."""
         return len(self.starts), len(self._forwards), len(self._returns), len(self._grads)
 
-    # ------------------------------------------------------------------ sending
-    def spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._send_tasks.add(task)
-        task.add_done_callback(self._send_tasks.discard)
-
-    async def try_send(self, peer: str, msg: object) -> bool:
-        """Send ``msg``; a peer the send fails to is suspected (never raises)."""
-        from node.dataplane.transport import DataPlaneError
-
-        node = self.node
-        if node.killed:
-            return False
-        try:
-            await node.dataplane.send(peer, msg)
-            return True
-        except DataPlaneError as e:
-            node.health.suspect(peer, f"send failed: {e}")
-            return False
-        except Exception as e:  # noqa: BLE001 - a broken peer must never break this node
-            node.health.suspect(peer, f"send failed: {e!r}")
-            return False
-
-    def send_control(self, peer: str, msg: object) -> None:
-        self.spawn(self.try_send(peer, msg))
-
     # ------------------------------------------------------------------ compute worker
     def _next_job(self):
         """Backward first, then losses, then forwards and new microbatches while slots are free."""
-        runtime = self.node.runtime
+        runtime = self.resources.runtime
         assert runtime is not None
         if self._grads:
             return self._do_backward, self._grads.popleft()
         if self._returns:
             return self._do_loss, self._returns.popleft()
-        if runtime.in_flight < self.node.memory_slots:
+        if runtime.in_flight < self._memory_slots():
             if self._forwards:
                 return self._do_forward, self._forwards.popleft()
             if self.starts:
@@ -169,7 +137,7 @@ class MicrobatchPipeline:
         return None
 
     async def _worker(self) -> None:
-        while not self.node.closed:
+        while not self.life.closed:
             job = self._next_job()
             if job is None:
                 self.idle.set()
@@ -184,7 +152,7 @@ class MicrobatchPipeline:
                     if not self._forwards:
                         continue
                     self.log.warning("memory slots full (%d) for %.0fs with %d forwards waiting; admitting one to "
-                                     "break a possible cyclic wait", self.node.memory_slots,
+                                     "break a possible cyclic wait", self._memory_slots(),
                                      self.cfg.memory_deadlock_grace_s, len(self._forwards))
                     self.overcommits += 1
                     job = (self._do_forward, self._forwards.popleft())
@@ -210,15 +178,14 @@ class MicrobatchPipeline:
 
     async def _inject(self, fn, arg) -> bool:
         """Apply a fault-injection rule to this job; False = the job is dropped."""
-        node = self.node
-        if not node.faults:
+        if not self.faults:
             return True
         if fn == self._do_start:
-            index, hop, direction, it = arg[0], 0, "forward", node.current_iteration
+            index, hop, direction, it = arg[0], 0, "forward", self.progress.current
         else:
             index, hop, it = arg.mb.index, arg.hop, arg.mb.iteration
             direction = "backward" if fn in (self._do_backward,) else "forward"
-        rule = node.faults.take(it, hop, direction, index)
+        rule = self.faults.take(it, hop, direction, index)
         if rule is None:
             return True
         if rule.action == "delay":
@@ -226,12 +193,12 @@ class MicrobatchPipeline:
             return True
         if rule.action == "drop":
             return False
-        node.kill()
-        raise NodeKilled(f"{node.node_name} killed by fault injection")
+        self.life.kill()
+        raise NodeKilled(f"{self.node_name} killed by fault injection")
 
     def _tampered(self, iteration: int, target: str, tensor):
         """``tensor`` as a ``corrupt`` fault-injection rule makes it (rehearsing a bad member); as is without one."""
-        faults = self.node.faults
+        faults = self.faults
         return faults.tamper(iteration, target, tensor) if faults else tensor
 
     async def compute(self, fn, *args):
@@ -245,90 +212,82 @@ class MicrobatchPipeline:
         return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     async def _do_start(self, job) -> None:
-        from protocol import ActivationMessage, MicrobatchId, TensorFrame
-
-        node = self.node
         index, attempt, route = job
-        it, epoch = node.current_iteration, node.epoch.epoch
-        mb = MicrobatchId(self.cfg.run_id, epoch, it, node.peer_id, index, attempt)
+        it, epoch = self.progress.current, self.epochs.epoch.epoch
+        mb = MicrobatchId(self.cfg.run_id, epoch, it, self.peer_id, index, attempt)
         key = mb_key(mb)
-        assert node.shard is not None and node.runtime is not None
-        inputs, targets = node.shard.batch(it, index)
+        runtime, shard, recovery = self.resources.runtime, self.resources.shard, self.recovery
+        assert shard is not None and runtime is not None
+        inputs, targets = shard.batch(it, index)
         self.targets[key] = targets
-        st = node.iteration_state(it)
+        st = self.progress.state(it)
         if attempt == 0:
             st.tokens += targets.numel()
         now = time.monotonic()
-        node.recovery.pending[index] = Pending(index, attempt, route, now + node.recovery.budget_s(route), started=now)
+        recovery.pending[index] = Pending(index, attempt, route, now + recovery.budget_s(route), started=now)
         ready = self._job_ready_at
-        frame = await self.compute(lambda: TensorFrame.from_tensor(node.runtime.start(key, inputs, ready_at=ready)))
-        self.spawn(node.recovery.send_forward(ActivationMessage(mb, 1, route, frame)))
+        frame = await self.compute(lambda: TensorFrame.from_tensor(runtime.start(key, inputs, ready_at=ready)))
+        self.sender.spawn(recovery.send_forward(ActivationMessage(mb, 1, route, frame)))
 
     async def _do_forward(self, msg) -> None:
-        from protocol import ActivationMessage, TensorFrame
-
-        node = self.node
         key = mb_key(msg.mb)
-        assert node.runtime is not None
+        runtime = self.resources.runtime
+        assert runtime is not None
         ready = self._job_ready_at
         frame = await self.compute(lambda: TensorFrame.from_tensor(self._tampered(
-            msg.mb.iteration, "activations", node.runtime.forward(key, msg.tensor.to_tensor(), ready_at=ready))))
-        self.spawn(node.recovery.send_forward(ActivationMessage(msg.mb, msg.hop + 1, msg.route, frame)))
+            msg.mb.iteration, "activations", runtime.forward(key, msg.tensor.to_tensor(), ready_at=ready))))
+        self.sender.spawn(self.recovery.send_forward(ActivationMessage(msg.mb, msg.hop + 1, msg.route, frame)))
 
     async def _do_loss(self, msg) -> None:
-        from protocol import GradientMessage, TensorFrame
-
-        node = self.node
-        pending = node.recovery.pending
+        pending = self.recovery.pending
         p = pending.get(msg.mb.index)
         if p is None or p.attempt != msg.mb.attempt or p.loss_done:
             return  # an attempt that was already given up (late), or a duplicate
         key = mb_key(msg.mb)
         targets = self.targets.pop(key)
-        assert node.runtime is not None
+        runtime = self.resources.runtime
+        assert runtime is not None
         ready = self._job_ready_at
 
         def run():
-            loss, grad = node.runtime.loss_backward(msg.tensor.to_tensor(), targets, ready_at=ready)
+            loss, grad = runtime.loss_backward(msg.tensor.to_tensor(), targets, ready_at=ready)
             return loss, TensorFrame.from_tensor(grad)
 
         loss, frame = await self.compute(run)
         if pending.get(msg.mb.index) is not p:
             return  # failed while the loss ran
         p.loss_done, p.route = True, tuple(msg.route)
-        node.iteration_state(msg.mb.iteration).losses.append(loss)
-        self.spawn(node.recovery.send_backward(GradientMessage(msg.mb, msg.hop - 1, msg.route, frame)))
+        self.progress.state(msg.mb.iteration).losses.append(loss)
+        self.sender.spawn(self.recovery.send_backward(GradientMessage(msg.mb, msg.hop - 1, msg.route, frame)))
 
     async def _do_backward(self, msg) -> None:
-        from protocol import GradientMessage, TensorFrame
-
-        node = self.node
         key = mb_key(msg.mb)
-        assert node.runtime is not None
+        runtime = self.resources.runtime
+        assert runtime is not None
         ready = self._job_ready_at
         if msg.hop > 0:
             frame = await self.compute(lambda: TensorFrame.from_tensor(self._tampered(
-                msg.mb.iteration, "gradients", node.runtime.backward(key, msg.tensor.to_tensor(), ready_at=ready))))
-            self.spawn(node.recovery.send_backward(GradientMessage(msg.mb, msg.hop - 1, msg.route, frame)))
+                msg.mb.iteration, "gradients", runtime.backward(key, msg.tensor.to_tensor(), ready_at=ready))))
+            self.sender.spawn(self.recovery.send_backward(GradientMessage(msg.mb, msg.hop - 1, msg.route, frame)))
             return
         # back at the data node: backward through stage 0, the microbatch is complete
-        pending = node.recovery.pending
+        pending = self.recovery.pending
         p = pending.get(msg.mb.index)
         if p is None or p.attempt != msg.mb.attempt:
-            node.runtime.drop(key)
+            runtime.drop(key)
             return
-        await self.compute(lambda: node.runtime.finish(key, msg.tensor.to_tensor(), ready_at=ready))
+        await self.compute(lambda: runtime.finish(key, msg.tensor.to_tensor(), ready_at=ready))
         if pending.get(msg.mb.index) is not p:
             return
         pending.pop(msg.mb.index, None)
-        st = node.iteration_state(msg.mb.iteration)
+        st = self.progress.state(msg.mb.iteration)
         for peer in msg.route[:-1]:
             st.visits[peer] += 1
-        node.recovery.microbatch_finished(st)
+        self.recovery.microbatch_finished(st)
 
     # ------------------------------------------------------------------ shutdown
     async def close(self) -> None:
-        """Stop the worker, let sends in flight finish (bounded), stop the compute thread."""
+        """Stop the worker (the trainer's sender lets sends in flight finish)."""
         self.wakeup.set()
         if self._worker_task is not None:
             self._worker_task.cancel()
@@ -336,8 +295,6 @@ class MicrobatchPipeline:
                 await self._worker_task
             except (asyncio.CancelledError, Exception):
                 pass
-        if self._send_tasks:
-            await asyncio.wait(list(self._send_tasks), timeout=5)
 
     def stop_compute(self) -> None:
         self._executor.shutdown(wait=True)

@@ -14,12 +14,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from node.train.common import IterationState, NodeLog, Pending, mb_key, mb_name
-
-if TYPE_CHECKING:
-    from node.train.trainer import TrainerNode
+from protocol import ActivationMessage, HopFailure, IterationDone
 
 __all__ = ["RouteRecovery"]
 
@@ -29,10 +27,20 @@ logger = logging.getLogger(__name__)
 class RouteRecovery:
     """Re-routing and skipping on every node; pending microbatches, retries and drops on a data node."""
 
-    def __init__(self, node: "TrainerNode"):
-        self.node = node
-        self.cfg = node.cfg
-        self.log = NodeLog(logger, node.node_name)
+    def __init__(self, cfg, *, peer_id: str, node_name: str, epochs, progress, health, resources, sender, life, pipeline,
+                 memory_slots: Callable[[], int], metrics=None):
+        """``epochs``, ``progress``, ``health``, ``resources``, ``sender``, ``life``: the trainer's epoch tracker,
+        :class:`node.train.progress.IterationProgress`, peer health, stage resources, hop sender and life;
+        ``pipeline``: where new microbatches and retries queue (:class:`node.train.pipeline.MicrobatchPipeline`);
+        ``metrics``: optional counters. The monitor also asks the commit whether the iteration ended from the
+        members' norms: :meth:`watch_norms_with` hands that over."""
+        self.cfg = cfg
+        self.peer_id, self.node_name = peer_id, node_name
+        self.epochs, self.progress, self.health, self.resources = epochs, progress, health, resources
+        self.sender, self.life, self.pipeline, self.metrics = sender, life, pipeline, metrics
+        self._memory_slots = memory_slots
+        self._done_from_norms: Optional[Callable[[int, IterationState, float], Awaitable[float]]] = None
+        self.log = NodeLog(logger, node_name)
         self.pending: Dict[int, Pending] = {}  # data node: microbatch index -> its live attempt
         self._routes: List[List[int]] = []  # data node: this iteration's planned routes (node indices)
         self.reroutes = 0
@@ -40,8 +48,13 @@ class RouteRecovery:
         self.drops = 0
         self._monitor_task: Optional[asyncio.Task] = None
 
+    def watch_norms_with(self, done_from_norms: Callable[[int, IterationState, float], Awaitable[float]]) -> None:
+        """``await done_from_norms(it, st, last_poll)``: the commit's check for data nodes that finished (or
+        left) as their norm records show; returns the time of its last DHT poll."""
+        self._done_from_norms = done_from_norms
+
     def _count(self, what: str) -> None:
-        metrics = self.node.metrics
+        metrics = self.metrics
         if metrics is None:
             return
         with contextlib.suppress(Exception):  # metrics never break training
@@ -50,58 +63,52 @@ class RouteRecovery:
     # ------------------------------------------------------------------ data node: start and finish
     def start_microbatches(self, it: int, st: IterationState) -> None:
         """Queue this data node's microbatches of iteration ``it``, on their planned routes where usable."""
-        from protocol import IterationDone
-
-        node = self.node
-        self._routes = node.epochs.routes()
+        epochs = self.epochs
+        self._routes = epochs.routes()
         self.pending.clear()
         st.remaining = len(self._routes)
         if st.remaining == 0:
-            for peer in node.members:
-                node.pipeline.send_control(peer, IterationDone(self.cfg.run_id, node.epoch.epoch, it, node.peer_id, {}, 0))
+            for peer in epochs.members:
+                self.sender.send_control(peer, IterationDone(self.cfg.run_id, epochs.epoch.epoch, it, self.peer_id, {}, 0))
         for j in range(len(self._routes)):
-            route = tuple(node.members[n] for n in self._routes[j]) + (node.peer_id,)
-            if not all(node.health.usable(r) for r in route):
+            route = tuple(epochs.members[n] for n in self._routes[j]) + (self.peer_id,)
+            if not all(self.health.usable(r) for r in route):
                 route = self.fresh_route(j) or route
-            node.pipeline.starts.append((j, 0, route))
+            self.pipeline.starts.append((j, 0, route))
 
     def microbatch_finished(self, st: IterationState) -> None:
         """One of our microbatches completed or was dropped; the last one sends ``IterationDone``."""
-        from protocol import IterationDone
-
-        node = self.node
         st.remaining -= 1
-        node.pipeline.wakeup.set()
+        self.pipeline.wakeup.set()
         if st.remaining == 0:
-            done = IterationDone(self.cfg.run_id, node.epoch.epoch, node.current_iteration, node.peer_id,
+            done = IterationDone(self.cfg.run_id, self.epochs.epoch.epoch, self.progress.current, self.peer_id,
                                  dict(st.visits), st.dropped)
-            for peer in node.members:
-                if node.health.is_alive(peer):
-                    node.pipeline.send_control(peer, done)
+            for peer in self.epochs.members:
+                if self.health.is_alive(peer):
+                    self.sender.send_control(peer, done)
 
     def budget_s(self, route) -> float:
         """The microbatch's deadline budget; the first iteration this trainer runs gets
         ``first_iteration_deadline_factor`` times more (streams are opened, allocators warm up)."""
-        node = self.node
-        budget = node.deadlines.microbatch_budget_s(route)
-        if node.first_iteration_running():
+        budget = self.resources.deadlines.microbatch_budget_s(route)
+        if self.progress.first_running():
             budget *= self.cfg.first_iteration_deadline_factor
         return min(budget, self.cfg.max_budget_fraction * self.cfg.iteration_timeout_s)
 
     # ------------------------------------------------------------------ routing
     def _min_path_stages(self) -> int:
-        return max(1, self.node.epochs.plan.path_length - self.cfg.max_extra_skips)
+        return max(1, self.epochs.plan.path_length - self.cfg.max_extra_skips)
 
     def _alternative(self, route: Tuple[str, ...], hop: int, avoid: set) -> Optional[str]:
         """Another usable replica of the stage of ``route[hop]``, not already on the route."""
-        epochs = self.node.epochs
+        epochs = self.epochs
         try:
             stage = epochs.stage_of[epochs.members.index(route[hop])]
         except ValueError:
             return None
         on_route = set(route)
         options = [p for p in epochs.replicas(stage)
-                   if p not in avoid and p not in on_route and self.node.health.usable(p)]
+                   if p not in avoid and p not in on_route and self.health.usable(p)]
         if not options:
             return None
         # deterministic spread: the replica whose id hashes nearest to this microbatch
@@ -110,14 +117,11 @@ class RouteRecovery:
     async def send_forward(self, msg) -> None:
         """Send an activation to ``msg.route[msg.hop]``; on a dead hop re-route to another replica of
         that stage, else skip the stage if the path's skip budget allows, else tell the data node."""
-        from protocol import ActivationMessage, HopFailure
-
-        node = self.node
         route, hop, failed = tuple(msg.route), msg.hop, set()
         while True:
             target = route[hop]
-            if target == node.peer_id or (node.health.usable(target) and target not in failed):
-                if await node.pipeline.try_send(target, ActivationMessage(msg.mb, hop, route, msg.tensor)):
+            if target == self.peer_id or (self.health.usable(target) and target not in failed):
+                if await self.sender.send(target, ActivationMessage(msg.mb, hop, route, msg.tensor)):
                     return
             failed.add(target)
             if target == route[-1]:
@@ -137,43 +141,39 @@ class RouteRecovery:
                 continue
             break
         report = HopFailure(msg.mb, hop, route[hop], "forward: no live replica and no skip budget")
-        if msg.mb.data_node == node.peer_id:
+        if msg.mb.data_node == self.peer_id:
             self.on_hop_failure(report)
         else:
-            node.pipeline.send_control(msg.mb.data_node, report)
-        node.runtime.drop(mb_key(msg.mb))
+            self.sender.send_control(msg.mb.data_node, report)
+        self.resources.runtime.drop(mb_key(msg.mb))
 
     async def send_backward(self, msg) -> None:
         """Gradients cannot be re-routed (the autograd state lives on that node): report and drop."""
-        from protocol import HopFailure
-
-        node = self.node
         target = msg.route[msg.hop]
-        if await node.pipeline.try_send(target, msg):
+        if await self.sender.send(target, msg):
             return
         if target != msg.mb.data_node:
-            node.pipeline.send_control(msg.mb.data_node, HopFailure(msg.mb, msg.hop, target, "backward: peer unreachable"))
+            self.sender.send_control(msg.mb.data_node, HopFailure(msg.mb, msg.hop, target, "backward: peer unreachable"))
 
     # ------------------------------------------------------------------ data node: failures
     def on_hop_failure(self, msg, sender: Optional[str] = None) -> None:
         """Data node: a hop of one of our microbatches failed (reported by a node of its route)."""
-        node = self.node
         p = self.pending.get(msg.mb.index)
-        if p is None or p.attempt != msg.mb.attempt or msg.mb.iteration != node.current_iteration:
+        if p is None or p.attempt != msg.mb.attempt or msg.mb.iteration != self.progress.current:
             return
-        if sender is not None and sender != node.peer_id and not self._could_be_on_route(sender, p.route):
+        if sender is not None and sender != self.peer_id and not self._could_be_on_route(sender, p.route):
             self.log.warning("ignoring a hop failure about %s from %s, which is not on that route", mb_name(msg.mb),
                              sender[-8:])
             return
-        if msg.peer_id != node.peer_id:
-            node.health.suspect(msg.peer_id, f"hop {msg.hop} of {mb_name(msg.mb)}: {msg.reason}")
+        if msg.peer_id != self.peer_id:
+            self.health.suspect(msg.peer_id, f"hop {msg.hop} of {mb_name(msg.mb)}: {msg.reason}")
         self.fail_microbatch(p, f"hop failure at hop {msg.hop}: {msg.reason}")
 
     def _could_be_on_route(self, peer: str, route) -> bool:
         """``peer`` is on ``route`` or a replica of one of its stages (re-routing may have put it there)."""
         if peer in route:
             return True
-        epochs = self.node.epochs
+        epochs = self.epochs
         index = {p: i for i, p in enumerate(epochs.members)}
         if peer not in index:
             return False
@@ -182,12 +182,11 @@ class RouteRecovery:
 
     def fail_microbatch(self, p: Pending, why: str) -> None:
         """Retry a microbatch whose forward failed on a fresh path, or drop it (never hang)."""
-        node = self.node
-        it = node.current_iteration
-        st = node.iteration_state(it)
-        old_key = (node.peer_id, node.epoch.epoch, it, p.index, p.attempt)
-        node.runtime.drop(old_key)
-        node.pipeline.targets.pop(old_key, None)
+        it = self.progress.current
+        st = self.progress.state(it)
+        old_key = (self.peer_id, self.epochs.epoch.epoch, it, p.index, p.attempt)
+        self.resources.runtime.drop(old_key)
+        self.pipeline.targets.pop(old_key, None)
         if not p.loss_done and p.attempt < self.cfg.max_retries:
             route = self.fresh_route(p.index)
             if route is not None:
@@ -195,8 +194,8 @@ class RouteRecovery:
                                  it, why, p.attempt + 1, [r[-6:] for r in route])
                 self.pending.pop(p.index, None)
                 st.retried += 1
-                node.pipeline.starts.append((p.index, p.attempt + 1, route))
-                node.pipeline.wakeup.set()
+                self.pipeline.starts.append((p.index, p.attempt + 1, route))
+                self.pipeline.wakeup.set()
                 return
         self.log.warning("dropping microbatch %d of iteration %d (%s); the step is re-weighted over the "
                          "microbatches that completed", p.index, it, why)
@@ -209,11 +208,10 @@ class RouteRecovery:
     def fresh_route(self, index: int) -> Optional[Tuple[str, ...]]:
         """The planned route of microbatch ``index`` with dead or suspected nodes replaced by live
         replicas of their stages (or skipped within the skip budget); None if impossible."""
-        node = self.node
-        planned = [node.members[n] for n in self._routes[index]]
-        route: List[str] = [node.peer_id]
+        planned = [self.epochs.members[n] for n in self._routes[index]]
+        route: List[str] = [self.peer_id]
         for peer in planned[1:]:
-            if node.health.usable(peer) and peer not in route:
+            if self.health.usable(peer) and peer not in route:
                 route.append(peer)
                 continue
             alt = self._alternative(tuple(route + [peer]), len(route), set())
@@ -221,11 +219,11 @@ class RouteRecovery:
                 route.append(alt)
         if len(route) < self._min_path_stages():
             return None
-        return tuple(route) + (node.peer_id,)
+        return tuple(route) + (self.peer_id,)
 
     # ------------------------------------------------------------------ monitor
     def start_monitor(self, it: int) -> None:
-        self._monitor_task = asyncio.create_task(self._monitor(it), name=f"trainer-monitor-{self.node.node_name}")
+        self._monitor_task = asyncio.create_task(self._monitor(it), name=f"trainer-monitor-{self.node_name}")
 
     async def stop_monitor(self) -> None:
         task, self._monitor_task = self._monitor_task, None
@@ -242,14 +240,14 @@ class RouteRecovery:
         """Until iteration ``it`` closes: a data node fails its microbatches past their deadline or
         routed through a node that is gone; every node notices data nodes that are gone or done
         (their norm records); an iteration open for long logs what it waits for."""
-        node = self.node
         last_poll = time.monotonic()
         next_report = last_poll + self.cfg.stall_report_s
-        while node.pipeline.open and node.current_iteration == it and not node.closed:
+        while self.pipeline.open and self.progress.current == it and not self.life.closed:
             now = time.monotonic()
             try:
-                if node.is_data_node:
-                    gone = node.health.gone({r for p in self.pending.values() for r in p.route}, now,
+                data_node = self.epochs.stage == 0
+                if data_node:
+                    gone = self.health.gone({r for p in self.pending.values() for r in p.route}, now,
                                             self.cfg.left_grace_s)
                     for p in list(self.pending.values()):
                         dead = [r for r in p.route if r in gone]
@@ -257,12 +255,12 @@ class RouteRecovery:
                             self.fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
                         elif now > p.deadline:
                             self.fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
-                st = node.open_iteration_state(it)
+                st = self.progress.open_state(it)
                 if st is not None:
-                    node.check_done(st)
+                    self.progress.check_done(st)
                     # a data node waits for the others once its own microbatches are done
-                    if not node.is_data_node or st.remaining <= 0:
-                        last_poll = await node.commit.maybe_done_from_norms(it, st, last_poll)
+                    if (not data_node or st.remaining <= 0) and self._done_from_norms is not None:
+                        last_poll = await self._done_from_norms(it, st, last_poll)
                 if now > next_report:
                     next_report = now + self.cfg.stall_report_s
                     self._report_stall(it)
@@ -274,14 +272,14 @@ class RouteRecovery:
 
     def _report_stall(self, it: int) -> None:
         """Log what an iteration that has been open for long still waits for."""
-        node = self.node
-        st = node.open_iteration_state(it)
+        st = self.progress.open_state(it)
         now = time.monotonic()
         pending = [f"{p.index}.{p.attempt}({'bwd' if p.loss_done else 'fwd'}, {p.deadline - now:+.0f}s)"
                    for p in self.pending.values()]
-        missing = [p[-8:] for p in node.data_node_peers if st is None or p not in st.done]
-        starts, forwards, losses, grads = node.pipeline.queue_sizes()
+        missing = [p[-8:] for p in self.epochs.data_node_peers if st is None or p not in st.done]
+        starts, forwards, losses, grads = self.pipeline.queue_sizes()
         self.log.warning("iteration %d still open; remaining %s, pending %s, queued starts %d forwards %d losses %d "
                          "grads %d, in flight %s/%s, no IterationDone from %s", it,
                          None if st is None else st.remaining, pending, starts, forwards, losses, grads,
-                         None if node.runtime is None else node.runtime.in_flight, node.memory_slots, missing)
+                         None if self.resources.runtime is None else self.resources.runtime.in_flight, self._memory_slots(),
+                         missing)

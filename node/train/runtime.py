@@ -316,6 +316,6 @@ class StageRuntime:
             self.scaler.load_state_dict(state["loss_scaler"])
 
     def checksum(self) -> float:
-        """Cheap parameter fingerprint; replicas of a stage must agree (re-sync is issue #6)."""
+        """Cheap parameter fingerprint; replicas of a stage must agree."""
         with torch.no_grad():  # summed on the device, read back once (one wait for a GPU, not one per parameter)
             return float(torch.stack([p.double().sum() for p in self.module.parameters()]).sum())

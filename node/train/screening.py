@@ -32,14 +32,13 @@ import collections
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from node.dataplane.guard import CONTENT_FAULTS, NON_FINITE
 from node.train.common import mb_key
 
 if TYPE_CHECKING:
     from node.net.records import NormRecord
-    from node.train.trainer import TrainerNode
 
 __all__ = ["NormVerdict", "robust_squared_norm", "AveragingScreen", "on_rejected_frame", "screening_summary",
            "ABSURD_SQ_FACTOR", "MIN_OTHER_REPORTS", "AVERAGED_NORM_FACTOR", "AVERAGED_HISTORY", "HONEST_OVERFLOW_WIRES"]
@@ -136,7 +135,21 @@ class AveragingScreen:
                 self._recent.popleft()
 
 
-def on_rejected_frame(node: "TrainerNode", msg: object, sender: str, reason: str, detail: str) -> None:
+class RejectionHost(Protocol):
+    """What :func:`on_rejected_frame` reads of the trainer (a typed seam, so this module does not import it)."""
+
+    cfg: object
+    peer_id: str
+    members: Tuple[str, ...]
+    killed: bool
+    closed: bool
+    health: object  # node.train.health.PeerHealth
+    runtime: object  # node.train.runtime.StageRuntime, or None before set-up
+    sender: object  # node.train.sender.HopSender
+    recovery: object  # node.train.recovery.RouteRecovery
+
+
+def on_rejected_frame(node: RejectionHost, msg: object, sender: str, reason: str, detail: str) -> None:
     """Data-plane callback for a frame the guard refused: a member's poisoned hop is its fault, and
     its microbatch fails now (the data node re-routes it around the sender) instead of at its deadline."""
     from protocol import ActivationMessage, GradientMessage, HopFailure
@@ -156,18 +169,18 @@ def on_rejected_frame(node: "TrainerNode", msg: object, sender: str, reason: str
     if msg.mb.data_node == node.peer_id:
         node.recovery.on_hop_failure(report)
     else:
-        node.pipeline.send_control(msg.mb.data_node, report)
+        node.sender.send_control(msg.mb.data_node, report)
 
 
-def screening_summary(node: "TrainerNode") -> dict:
-    """What the checks of this module (and the data-plane guard) caught on ``node``: for the training RPC."""
-    dataplane, faults = node.dataplane, node.faults
+def screening_summary(*, dataplane, health, commit, faults) -> dict:
+    """What the checks of this module (and the data-plane guard) caught on a trainer: for the training RPC.
+    ``dataplane`` (None once closed), ``health``, ``commit`` and ``faults`` are the trainer's."""
     return {
         "rejected_frames": dict(dataplane.rejected) if dataplane is not None else {},
-        "faults": dict(node.health.faults_total),
-        "banned": sorted(node.health.suspects()),
-        "excluded_reports": node.commit.excluded_reports,
-        "averaging_outliers": node.commit.averaging_outliers,
+        "faults": dict(health.faults_total),
+        "banned": sorted(health.suspects()),
+        "excluded_reports": commit.excluded_reports,
+        "averaging_outliers": commit.averaging_outliers,
         "injected_pending": faults.pending if faults else 0,
         "injected_fired": len(faults.fired) if faults else 0,
     }

@@ -30,7 +30,6 @@ from node.net.records import rejected_counts
 from node.train.agreement import RepinEpoch, RunAgreement, training_summary
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
-from node.train.screening import screening_summary
 from node.train.staleness import run_unless_stale
 
 __all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
@@ -175,7 +174,7 @@ class TrainerService:
             return None
         if self.state in (ServiceState.TRAINING, ServiceState.PAUSED):
             t = self.trainer
-            if t is not None and getattr(t, "dataplane", None) is None:
+            if t is not None and t.dataplane is None:
                 return "data plane not up yet"
             return None
         if self.state in (ServiceState.DONE, ServiceState.STOPPED, ServiceState.ERROR):
@@ -383,18 +382,18 @@ class TrainerService:
             "committed_iteration": t.committed_iteration if t is not None else None,
             # a joiner: whom its stage state came from, and which replicas backed or disputed it
             "state_source": (t.stage_state.trusted.to_dict()
-                             if t is not None and getattr(t.stage_state, "trusted", None) is not None else None),
+                             if t is not None and t.stage_state.trusted is not None else None),
             "iterations": self.iterations,
             "overcommits": t.overcommits if t is not None else 0,
             # per-member DHT records this node ignored (forged, unsealed, of a non-member...), by reason
             "rejected_records": (rejected_counts(self.daemon.dht)
-                                 if self.daemon is not None and getattr(self.daemon, "dht", None) is not None else {}),
+                                 if self.daemon is not None and self.daemon.dht is not None else {}),
             # why a join (or the start) cannot proceed yet, while it waits and retries
             "waiting_reason": self.waiting_reason or (self.agreement.waiting if self.agreement is not None else None),
             # a bad member as this node saw it: refused frames by reason, faults counted per member,
             # members banned now, norm reports left out, averaged results refused; and for rehearsals
             # (--inject corrupt@...) how often this node's own rules are still to fire
-            "screening": screening_summary(t) if t is not None else None,
+            "screening": t.screening() if t is not None else None,
             "history": history,
         }
 

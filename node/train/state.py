@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import Awaitable, Callable, Optional
 
 from node.dataplane.state_codec import ExpectedState, encode_state, weights_digest, weights_sketch
 from node.train.checkpoint import CheckpointStore, check_run_config
@@ -23,9 +23,6 @@ def checkpoint_run_config(cfg) -> dict:
 
     return {"run_id": cfg.run_id, "model": cfg.model.to_dict(), "data": asdict(cfg.data), "seed": cfg.seed}
 
-if TYPE_CHECKING:
-    from node.train.trainer import TrainerNode
-
 __all__ = ["StageState"]
 
 logger = logging.getLogger(__name__)
@@ -36,40 +33,54 @@ CLAIM_WRITE_TIMEOUT_S = 10.0
 
 
 class StageState:
-    """Checkpoints, mid-run joins and the state server of one :class:`TrainerNode`."""
+    """Checkpoints, mid-run joins and the state server of one trainer."""
 
-    def __init__(self, node: "TrainerNode"):
-        self.node = node
-        self.cfg = node.cfg
-        self.log = NodeLog(logger, node.node_name)
+    def __init__(self, cfg, *, peer_id: str, node_name: str, epochs, progress, health, resources, life,
+                 compute: Callable[..., Awaitable], p2p=None, dht=None):
+        """``epochs``, ``progress``, ``health``, ``resources``, ``life``: the trainer's epoch tracker,
+        :class:`node.train.progress.IterationProgress` (a resume or a join moves it), peer health, stage resources
+        (the runtime) and life; ``await compute(fn)`` runs device work on the compute thread; ``p2p``/``dht``:
+        the state server, the download and the signed state claims."""
+        self.cfg = cfg
+        self.peer_id, self.node_name = peer_id, node_name
+        self.epochs, self.progress, self.health, self.resources, self.life = epochs, progress, health, resources, life
+        self.compute, self.p2p, self.dht = compute, p2p, dht
+        self.log = NodeLog(logger, node_name)
         self.checkpoints: Optional[CheckpointStore] = None
         self.server = None
-        self.state_iteration = -1  # iteration the runtime's weights belong to (set on the compute thread)
         self.last_saved = -1
         self.trusted = None  # the Verdict of the last downloaded state: whom it came from, who backed it
 
+    @property
+    def state_iteration(self) -> int:
+        """The iteration the runtime's weights belong to (kept by the progress)."""
+        return self.progress.state_iteration
+
+    @state_iteration.setter
+    def state_iteration(self, it: int) -> None:
+        self.progress.state_iteration = it
+
     def restore(self) -> bool:
         """Open the checkpoint store and, with ``resume``, load the last checkpoint; True if one was loaded."""
-        node = self.node
         if not self.cfg.checkpoint_dir:
             return False
-        self.checkpoints = CheckpointStore(self.cfg.checkpoint_dir, self.cfg.run_id, node.stage, node.node_name)
+        self.checkpoints = CheckpointStore(self.cfg.checkpoint_dir, self.cfg.run_id, self.epochs.stage, self.node_name)
         if not self.cfg.resume:
             return False
         ckpt = self.checkpoints.load(self.expected())  # CheckpointCorrupt/OldFormat: one line naming the file
         if ckpt is None:
             return False
         check_run_config(ckpt, checkpoint_run_config(self.cfg), self.checkpoints.path)
-        node.runtime.load_state_dict(ckpt.state)
-        node.committed_iteration = self.last_saved = self.state_iteration = ckpt.iteration
-        self.log.info("resumed stage %d at iteration %d", node.stage, ckpt.iteration)
+        self.resources.runtime.load_state_dict(ckpt.state)
+        self.progress.committed = self.last_saved = self.state_iteration = ckpt.iteration
+        self.log.info("resumed stage %d at iteration %d", self.epochs.stage, ckpt.iteration)
         return True
 
     async def serve(self, allow=None) -> None:
         """Hand this stage's state to joiners and re-syncing replicas."""
         from node.dataplane.state_transfer import StateServer
 
-        self.server = StateServer(self.node.p2p, self.cfg.run_id, self._snapshot, allow=allow, sketch=self._sketch)
+        self.server = StateServer(self.p2p, self.cfg.run_id, self._snapshot, allow=allow, sketch=self._sketch)
         await self.server.start()
 
     async def join(self, start: int, have_checkpoint: bool) -> None:
@@ -78,72 +89,66 @@ class StageState:
         state is decoded without running code, checked against this stage's tensors, and taken only
         when the stage's other replicas back it (:func:`fetch_verified_state`)."""
         from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
-
-        node = self.node
         expected = self.expected()
         # live replicas first (then by peer id, so every joiner asks in the same order), but ask the
         # others too: under load a live peer's advert can lapse for a moment, and a dead one only costs
         # a failed dial
-        peers = sorted((p for p in node.epochs.replicas(node.stage) if p != node.peer_id),
-                       key=lambda p: (not node.health.is_alive(p), p))
+        peers = sorted((p for p in self.epochs.replicas(self.epochs.stage) if p != self.peer_id),
+                       key=lambda p: (not self.health.is_alive(p), p))
         snap, error, peer = None, None, None
         for attempt in range(1, self.cfg.state_fetch_attempts + 1):
             try:
-                snap, verdict = await fetch_verified_state(node.p2p, self.cfg.run_id, peers, node.stage, start - 1,
+                snap, verdict = await fetch_verified_state(self.p2p, self.cfg.run_id, peers, self.epochs.stage, start - 1,
                                                            expected=expected, timeout_s=self.cfg.state_fetch_timeout_s,
-                                                           dht=node.dht)
+                                                           dht=self.dht)
                 peer, self.trusted = verdict.source, verdict
                 break
             except StateTransferError as e:
                 error = e
                 # a live replica that is merely slow to commit ``start - 1`` (the swarm is busy with
                 # another failure) hands the state over later: ask again, a bounded number of times
-                if not any(node.health.is_alive(p) for p in peers) or attempt == self.cfg.state_fetch_attempts:
+                if not any(self.health.is_alive(p) for p in peers) or attempt == self.cfg.state_fetch_attempts:
                     break
-                self.log.warning("no state for stage %d yet (%s); asking again", node.stage, e)
+                self.log.warning("no state for stage %d yet (%s); asking again", self.epochs.stage, e)
                 await asyncio.sleep(1.0)
         if snap is None:
             if not have_checkpoint:
-                raise JoinFailed(f"{node.node_name}: cannot join stage {node.stage} at iteration {start}: {error}; "
+                raise JoinFailed(f"{self.node_name}: cannot join stage {self.epochs.stage} at iteration {start}: {error}; "
                                  "no checkpoint either (--checkpoint-dir DIR --resume)") from None
-            self.log.warning("%s; continuing from the checkpoint of iteration %d", error, node.committed_iteration)
-            node.committed_iteration = self.state_iteration = start - 1
-            node.current_iteration = start
+            self.log.warning("%s; continuing from the checkpoint of iteration %d", error, self.progress.committed)
+            self.progress.committed = self.state_iteration = start - 1
+            self.progress.current = start
             return
         state = snap.state
-        await node.pipeline.compute(lambda: node.runtime.load_state_dict(state))
-        node.committed_iteration = self.state_iteration = snap.iteration
-        node.current_iteration = snap.iteration + 1
+        await self.compute(lambda: self.resources.runtime.load_state_dict(state))
+        self.progress.committed = self.state_iteration = snap.iteration
+        self.progress.current = snap.iteration + 1
         self.log.info("joined stage %d with the state of iteration %d from %s (backed by %d other replica(s)%s)",
-                      node.stage, snap.iteration, peer[-8:], len(self.trusted.agree),
+                      self.epochs.stage, snap.iteration, peer[-8:], len(self.trusted.agree),
                       f", disputed by {len(self.trusted.disagree)}" if self.trusted.disagree else "")
 
     async def _snapshot(self, stage: int, min_iteration: int):
         """State server callback: this stage's state once iteration ``min_iteration`` is committed."""
         from node.dataplane.state_transfer import StateSnapshot
-
-        node = self.node
         await self._wait_for(stage, min_iteration)
 
         def snap():
-            state, it = node.runtime.state_dict(), self.state_iteration
-            blob = encode_state(state, {"stage": node.stage, "iteration": it})
-            return StateSnapshot(node.stage, it, node.runtime.checksum(), blob, weights_digest(state["model"]))
+            state, it = self.resources.runtime.state_dict(), self.state_iteration
+            blob = encode_state(state, {"stage": self.epochs.stage, "iteration": it})
+            return StateSnapshot(self.epochs.stage, it, self.resources.runtime.checksum(), blob, weights_digest(state["model"]))
 
-        return await node.pipeline.compute(snap)
+        return await self.compute(snap)
 
     async def _sketch(self, stage: int, min_iteration: int, nonce: bytes):
         """State server callback: ``(iteration, weights_sketch)`` once ``min_iteration`` is committed."""
         from node.net.records import StateClaimRecord, write_state_claim
-
-        node = self.node
         await self._wait_for(stage, min_iteration)
-        it, sketch = await node.pipeline.compute(
-            lambda: (self.state_iteration, weights_sketch(node.runtime.module.state_dict(), nonce)))
+        it, sketch = await self.compute(
+            lambda: (self.state_iteration, weights_sketch(self.resources.runtime.module.state_dict(), nonce)))
         if it >= 0:  # the same word, signed, in the DHT (the verifier prefers it to the direct answer)
             try:
-                await asyncio.wait_for(write_state_claim(node.dht, self.cfg.run_id, node.peer_id, nonce,
-                                                         StateClaimRecord(node.stage, it, tuple(sketch))),
+                await asyncio.wait_for(write_state_claim(self.dht, self.cfg.run_id, self.peer_id, nonce,
+                                                         StateClaimRecord(self.epochs.stage, it, tuple(sketch))),
                                        CLAIM_WRITE_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
@@ -152,33 +157,31 @@ class StageState:
         return it, sketch
 
     async def _wait_for(self, stage: int, min_iteration: int) -> None:
-        node = self.node
-        if node.runtime is None or stage != node.stage:
+        if self.resources.runtime is None or stage != self.epochs.stage:
             raise ValueError(f"stage {stage} is not held here")
         while self.state_iteration < min_iteration:
-            if node.closed:
+            if self.life.closed:
                 raise ValueError("trainer is shutting down")
             await asyncio.sleep(0.05)
 
     def expected(self) -> ExpectedState:
         """What this node's stage holds: downloaded state must have exactly these tensors."""
-        assert self.node.runtime is not None
-        return ExpectedState.of_module(self.node.runtime.module)
+        assert self.resources.runtime is not None
+        return ExpectedState.of_module(self.resources.runtime.module)
 
     async def save(self) -> None:
         """Checkpoint the last committed iteration (once per iteration)."""
-        node = self.node
-        if self.checkpoints is None or node.committed_iteration < 0 or node.committed_iteration == self.last_saved:
+        if self.checkpoints is None or self.progress.committed < 0 or self.progress.committed == self.last_saved:
             return
-        assert node.runtime is not None
-        it = node.committed_iteration
+        assert self.resources.runtime is not None
+        it = self.progress.committed
         # the checksum reads every parameter (and on a GPU waits for it): compute thread, not the event loop
-        state, checksum = await node.pipeline.compute(lambda: (node.runtime.state_dict(), node.runtime.checksum()))
-        meta = {"run_id": self.cfg.run_id, "epoch": node.epoch.epoch, "model": self.cfg.model.to_dict(),
-                "peer_id": node.peer_id, "checksum": checksum,
-                "data": dict(vars(node.cfg.data))}  # tokenizer + hash: what eval/export/generate read back
+        state, checksum = await self.compute(lambda: (self.resources.runtime.state_dict(), self.resources.runtime.checksum()))
+        meta = {"run_id": self.cfg.run_id, "epoch": self.epochs.epoch.epoch, "model": self.cfg.model.to_dict(),
+                "peer_id": self.peer_id, "checksum": checksum,
+                "data": dict(vars(self.cfg.data))}  # tokenizer + hash: what eval/export/generate read back
         run_config = checkpoint_run_config(self.cfg)
-        await node.pipeline.compute(lambda: self.checkpoints.save(it, state, meta, run_config=run_config))
+        await self.compute(lambda: self.checkpoints.save(it, state, meta, run_config=run_config))
         self.last_saved = it
 
     def due(self, it: int) -> bool:

@@ -15,7 +15,7 @@ LinkEstimate = Callable[[str, str], Optional[Tuple[float, float]]]
 def deadline_links(emulation, measured: Optional[LinkEstimate], peer_id: str) -> Optional[LinkEstimate]:
     """Link estimates for the deadlines: the emulated links when links are emulated (the measured
     ones run over loopback and know nothing of the WAN the microbatches really cross), else measured."""
-    between = getattr(emulation, "link_between", None)
+    between = emulation.link_between if emulation is not None else None
     if between is None:
         return measured
 
@@ -43,7 +43,7 @@ def measure_forward_s(runtime, cfg, stage: int, emulation=None, sync=synchronize
 
     ``cfg`` is the :class:`node.train.common.TrainerConfig`; the probe tensors live on the stage's device,
     which is synchronized (``sync(device)``) before the clock starts and before it is read."""
-    padder = getattr(emulation, "padder", None)
+    padder = emulation.padder if emulation is not None else None
     if padder is not None:
         return padder.target_s("forward", cfg.data.microbatch_size, runtime.n_layers)
     m, d = cfg.model, cfg.data

@@ -30,24 +30,27 @@ import asyncio
 import logging
 import math
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
-from node.errors import UserError
 from node.net.records import finished_key, norm_key, start_key
-from node.train.averaging import StageAverager, averager_prefix
+from node.train.averaging import StageAverager
+from node.train.build import data_shard, hop_deadlines, microbatch_guard, rebuild_averager
 from node.train.common import (IterationState, IterationStats, JoinFailed, LeftSchedule, Lifecycle, NodeKilled,
                                NodeLog, TrainerConfig, TrainingStalled, arrival_time)
 from node.train.commit import IterationCommit
-from node.train.data import DataShard, TokenSplits, load_splits
+from node.train.data import TokenSplits
 from node.train.epochs import EpochSource, EpochTracker
 from node.train.health import PeerHealth, gone_peers
 from node.train.model import build_stage
 from node.train.pipeline import MicrobatchPipeline
+from node.train.progress import IterationProgress, LifeView, StageResources, begun_elsewhere
 from node.train.recovery import RouteRecovery
 from node.train.runtime import StageRuntime
-from node.train.screening import on_rejected_frame
+from node.train.screening import on_rejected_frame, screening_summary
+from node.train.sender import HopSender
 from node.train.state import StageState
 from node.train.timing import deadline_links, measure_forward_s
+from protocol import HopFailure, HopMessage, IterationDone, NormReport
 
 __all__ = [
     "TrainerConfig",
@@ -59,10 +62,10 @@ __all__ = [
     "JoinFailed",
     "NodeKilled",
     "LeftSchedule",
-    "TrainerService",
     "TrainingDisagreement",
     "training_summary",
     "summary_differences",
+    "begun_elsewhere",
     "start_key",
     "finished_key",
     "norm_key",
@@ -71,12 +74,20 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def begun_elsewhere(iterations: Dict[int, IterationState], iteration: int, me: str) -> bool:
-    """Has another data node already finished this iteration? Its view still held every stage when it
-    began; pausing now would leave it waiting for our IterationDone, so this node runs the iteration too,
-    skipping or dropping what it cannot route, and the next boundary pauses everyone alike."""
-    state = iterations.get(iteration)
-    return state is not None and any(peer != me for peer in state.done)
+def dispatch(msg: object, sender: str, run_id: str, me: str, *, progress: IterationProgress, commit: IterationCommit,
+             recovery: RouteRecovery, pipeline: MicrobatchPipeline) -> None:
+    """The one place a trainer's incoming messages are sorted: each goes to the part that owns it (messages of
+    another run are dropped; a hop failure only matters to the data node of its microbatch)."""
+    if isinstance(msg, IterationDone):
+        if msg.run_id == run_id:
+            progress.on_iteration_done(msg)
+    elif isinstance(msg, NormReport):  # the per-iteration barrier (node.train.commit)
+        commit.on_norm_report(msg, sender)
+    elif isinstance(msg, HopFailure):
+        if msg.mb.run_id == run_id and msg.mb.data_node == me:
+            recovery.on_hop_failure(msg, sender)
+    elif isinstance(msg, HopMessage) and msg.mb.run_id == run_id:
+        pipeline.on_hop(msg)
 
 
 class TrainerNode:
@@ -110,16 +121,7 @@ class TrainerNode:
         self._allow = allow
         self.metrics = metrics
         self.join_at = join_at
-        self.runtime: Optional[StageRuntime] = None
-        self.averager: Optional[StageAverager] = None
-        self.dataplane = None
-        self.deadlines = None
-        self.shard: Optional[DataShard] = None
-        self.history: List[IterationStats] = []
-        self.committed_iteration = -1
-        self.current_iteration = -1
-        self._iters: Dict[int, IterationState] = {}
-        self._first_iteration = -1  # the first iteration this trainer ran
+        self.resources = StageResources()
         self._forward_s = 0.0
         self.paused_reason: Optional[str] = None
         self.lifecycle = Lifecycle.RUNNING
@@ -129,10 +131,67 @@ class TrainerNode:
                                  ban_max_s=config.ban_max_s, metrics=metrics, node_name=self.node_name)
         self.epochs = EpochTracker(self.peer_id, config.run_id, epoch, verify=verify_epoch, fetch=fetch_epochs,
                                    node_name=self.node_name)
-        self.pipeline = MicrobatchPipeline(self)
-        self.recovery = RouteRecovery(self)
-        self.commit = IterationCommit(self)
-        self.stage_state = StageState(self)
+        self.progress = IterationProgress(lambda: self.epochs.data_node_peers, self.health.is_alive)
+        self.sender = HopSender(self.health, killed=lambda: self.killed)
+        life = LifeView(lambda: self.lifecycle, kill=self.kill)
+        # each part gets what it uses; none holds the trainer
+        common = dict(peer_id=self.peer_id, node_name=self.node_name, epochs=self.epochs, progress=self.progress)
+        self.pipeline = MicrobatchPipeline(
+            config, **common, resources=self.resources, sender=self.sender, life=life,
+            memory_slots=lambda: self.memory_slots, faults=faults,
+            emulated_links=emulation is not None and emulation.link_emulator is not None)
+        self.recovery = RouteRecovery(config, **common, health=self.health, resources=self.resources,
+                                      sender=self.sender, life=life, pipeline=self.pipeline,
+                                      memory_slots=lambda: self.memory_slots, metrics=metrics)
+        self.stage_state = StageState(config, **common, health=self.health, resources=self.resources, life=life,
+                                      compute=self.pipeline.compute, p2p=p2p, dht=dht)
+        self.commit = IterationCommit(config, **common, health=self.health, resources=self.resources,
+                                      sender=self.sender, compute=self.pipeline.compute,
+                                      expected_state=self.stage_state.expected, p2p=p2p, dht=dht, faults=faults,
+                                      emulation=emulation)
+        self.pipeline.route_with(self.recovery)
+        self.recovery.watch_norms_with(self.commit.maybe_done_from_norms)
+
+    # ------------------------------------------------------------------ what the parts share, as attributes
+    @property
+    def runtime(self) -> Optional[StageRuntime]:
+        return self.resources.runtime
+
+    @runtime.setter
+    def runtime(self, runtime: Optional[StageRuntime]) -> None:
+        self.resources.runtime = runtime
+
+    @property
+    def averager(self) -> Optional[StageAverager]:
+        return self.resources.averager
+
+    @property
+    def dataplane(self):
+        return self.sender.dataplane
+
+    @dataplane.setter
+    def dataplane(self, dataplane) -> None:
+        self.sender.dataplane = dataplane
+
+    @property
+    def current_iteration(self) -> int:
+        return self.progress.current
+
+    @current_iteration.setter
+    def current_iteration(self, it: int) -> None:
+        self.progress.current = it
+
+    @property
+    def committed_iteration(self) -> int:
+        return self.progress.committed
+
+    @property
+    def history(self) -> List[IterationStats]:
+        return self.progress.history
+
+    @history.setter
+    def history(self, history: List[IterationStats]) -> None:
+        self.progress.history = history
 
     # ------------------------------------------------------------------ views of the parts
     @property
@@ -202,13 +261,8 @@ class TrainerNode:
             self._build_deadlines()
 
     def _build_deadlines(self) -> None:
-        from node.train.deadlines import HopDeadlines
-
-        m = self.cfg.model
-        act_bytes = 4 * self.cfg.data.microbatch_size * self.cfg.data.seq_len * m.d_model
         links = deadline_links(self.emulation, self._link_estimate, self.peer_id)
-        self.deadlines = HopDeadlines(self.epoch.schedule, self.members, [self._forward_s] * len(self.members),
-                                      act_bytes, links, self.cfg.deadlines)
+        self.resources.deadlines = hop_deadlines(self.cfg, self.epochs, self._forward_s, links)
 
     async def setup(self) -> None:
         """Build the stage, restore a checkpoint (or a live replica's state), start averager and data plane.
@@ -218,19 +272,19 @@ class TrainerNode:
         self._bind_epoch(self.epochs.adopted())
         module = build_stage(self.cfg.model, self.stage, self.cfg.seed)
         self.runtime = StageRuntime(module, self.cfg.optim, self.cfg.device,
-                                    padder=getattr(self.emulation, "padder", None),
+                                    padder=self.emulation.padder if self.emulation is not None else None,
                                     precision=self.cfg.precision)  # autocast + fp16 loss scale
         self._forward_s = await self.pipeline.compute(
             lambda: measure_forward_s(self.runtime, self.cfg, self.stage, self.emulation))
         self._build_deadlines()
         have_checkpoint = self.stage_state.restore()
-        self.current_iteration = self.committed_iteration + 1
+        self.progress.current = self.progress.committed + 1
         await self.stage_state.serve(allow=self._allow)
         joining = self.join_at is not None and self.join_at > 0
         if joining:
             # members route our first iteration's microbatches to us as soon as they start it: listen
             # (and queue them) while the state downloads, instead of failing their sends
-            self.current_iteration = self.join_at
+            self.progress.current = self.join_at
             await self._start_dataplane()
             await self.stage_state.join(self.join_at, have_checkpoint=have_checkpoint)
         self._make_shard()
@@ -247,50 +301,19 @@ class TrainerNode:
             kwargs["allow"] = self._allow
         if self.metrics is not None:
             kwargs["metrics"] = self.metrics
-        guard = self._make_guard()
-        if guard is not None:
-            kwargs["guard"] = guard
-        self.dataplane = DataPlane(self.p2p, self.cfg.run_id, self.pipeline.on_message,
-                                   emulator=getattr(self.emulation, "link_emulator", None),
+        kwargs["guard"] = microbatch_guard(self.cfg, self.epochs, self.peer_id, self.progress)
+        self.sender.dataplane = DataPlane(self.p2p, self.cfg.run_id, self.on_message,
+                                   emulator=self.emulation.link_emulator if self.emulation is not None else None,
                                    wire=self.cfg.wire,  # the run's codec for hop tensors
                                    on_rejected=lambda *a: on_rejected_frame(self, *a), **kwargs)
-        await self.dataplane.start()
-
-    def _make_guard(self):
-        """Reject malformed, non-finite, replayed or out-of-epoch frames before they reach the worker."""
-        from node.dataplane.guard import MicrobatchGuard, compressions_for_wire
-
-        d, m = self.cfg.data, self.cfg.model
-
-        def position():
-            # newer epochs pass: a neighbour may switch at an iteration boundary before we do
-            return self.epoch.epoch, self.current_iteration
-
-        # senders of the current epoch and of announced ones (valid at a switch boundary)
-        return MicrobatchGuard(run_id=self.cfg.run_id, hidden_shape=(d.microbatch_size, d.seq_len, m.d_model),
-                               position=position, self_id=self.peer_id, members=self.epochs.senders,
-                               compressions=compressions_for_wire(self.cfg.wire))  # the run's wire codec only
+        await self.sender.dataplane.start()
 
     def _make_shard(self) -> None:
-        if self.is_data_node:
-            splits = self._splits if self._splits is not None else load_splits(self.cfg.data)
-            self._splits = splits
-            if splits.vocab_size > self.cfg.model.vocab_size:
-                raise UserError(f"tokenizer vocab {splits.vocab_size} exceeds model vocab {self.cfg.model.vocab_size}")
-            data_nodes = list(self.epochs.plan.data_nodes)
-            self.shard = DataShard(splits, self.cfg.data, data_nodes.index(self.epochs.index), len(data_nodes))
+        self.resources.shard, self._splits = data_shard(self.cfg, self.epochs, self._splits)
 
     async def _build_averager(self) -> None:
-        if self.averager is not None:
-            averager, self.averager = self.averager, None
-            await asyncio.get_running_loop().run_in_executor(None, averager.shutdown)
-        group = self.epochs.replicas(self.stage)
-        if len(group) > 1:
-            assert self.runtime is not None
-            self.averager = StageAverager(
-                self.dht, self.runtime.grads(), prefix=averager_prefix(self.cfg.run_id, self.stage, self.epoch.epoch),
-                group_size=len(group), cfg=self.cfg.averaging)
-            await self.averager.start()
+        self.resources.averager = await rebuild_averager(self.resources.averager, self.dht, self.runtime, self.cfg,
+                                                         self.epochs)
 
     # ------------------------------------------------------------------ epochs and pauses
     def offer_epoch(self, epoch) -> None:
@@ -321,7 +344,7 @@ class TrainerNode:
         """Pause at an iteration boundary while a stage has no live replica; resume on a new epoch."""
         while True:
             await self._maybe_switch_epoch()
-            missing, begun = self.missing_stages(), begun_elsewhere(self._iters, self.current_iteration, self.peer_id)
+            missing, begun = self.missing_stages(), self.progress.begun_elsewhere(self.peer_id)
             if not missing or begun or self.stop_requested or self.closed:
                 if self.paused_reason is not None:
                     self.log.info("resuming at iteration %d", self.current_iteration)
@@ -346,36 +369,25 @@ class TrainerNode:
         per_it = max(sum(recent) / len(recent), 1e-3) if recent else 1.0
         return self.current_iteration + 2 + (math.ceil(lead_s / per_it) if lead_s > 0 else 0)
 
-    # ------------------------------------------------------------------ iteration bookkeeping
+    # ------------------------------------------------------------------ messages: dispatched here, and only here
+    def on_message(self, msg: object, sender: str) -> None:
+        """Data-plane callback: every message a peer sent this node goes to the part that owns it."""
+        if not self.killed:
+            dispatch(msg, sender, self.cfg.run_id, self.peer_id, progress=self.progress, commit=self.commit,
+                     recovery=self.recovery, pipeline=self.pipeline)
+
     def iteration_state(self, iteration: int) -> IterationState:
-        if iteration not in self._iters:
-            self._iters[iteration] = IterationState()
-        return self._iters[iteration]
+        return self.progress.state(iteration)
 
-    def open_iteration_state(self, iteration: int) -> Optional[IterationState]:
-        return self._iters.get(iteration)
-
-    def on_iteration_done(self, msg) -> None:
-        """A data node's ``IterationDone`` arrived."""
-        if msg.run_id != self.cfg.run_id or msg.iteration <= self.committed_iteration:
-            return
-        st = self.iteration_state(msg.iteration)
-        st.done[msg.data_node] = msg
-        self.check_done(st)
-
-    def check_done(self, st: IterationState) -> None:
-        """Iteration over: every data node of the epoch reported, or is gone."""
-        if all(p in st.done or not self.is_alive(p) for p in self.data_node_peers):
-            st.all_done.set()
-
-    def first_iteration_running(self) -> bool:
-        """This trainer's first iteration is the current one (its deadlines are longer)."""
-        return not (self.history or self.current_iteration != self._first_iteration)
+    def screening(self) -> dict:
+        """What the screening checks caught (for the training RPC)."""
+        return screening_summary(dataplane=self.dataplane, health=self.health, commit=self.commit, faults=self.faults)
 
     def _emulation_behind(self) -> Tuple[float, float]:
         """(compute overrun seconds, late-frame seconds) so far; both 0 without emulation."""
-        padder = getattr(self.runtime, "padder", None) if self.runtime is not None else None
-        return (float(getattr(padder, "overrun_s", 0.0)), float(getattr(self.dataplane, "late_s", 0.0)))
+        padder = self.runtime.padder if self.runtime is not None else None
+        overrun = padder.overrun_s if padder is not None else 0.0
+        return float(overrun), float(self.dataplane.late_s if self.dataplane is not None else 0.0)
 
     # ------------------------------------------------------------------ iteration
     async def run_iteration(self) -> IterationStats:
@@ -383,14 +395,15 @@ class TrainerNode:
         if self.closed:
             raise RuntimeError("trainer is shut down")
         await self._wait_for_stages()
-        it = self.current_iteration
+        progress = self.progress
+        it = progress.current
         t0 = time.perf_counter()
         behind0 = self._emulation_behind()
-        st = self.iteration_state(it)
+        st = progress.state(it)
         self.commit.prepare_averaging()
         self.pipeline.open, self.pipeline.opened = True, it
-        if self._first_iteration < 0:
-            self._first_iteration = it
+        if progress.first < 0:
+            progress.first = it
         if self.is_data_node:
             self.recovery.start_microbatches(it, st)
         self.recovery.start_monitor(it)
@@ -412,11 +425,7 @@ class TrainerNode:
         t_mb = time.perf_counter()
         behind = tuple(b - a for a, b in zip(behind0, self._emulation_behind()))
         stats = await self.commit.commit(it, st, t0, t_mb, behind)
-        self.committed_iteration = it
-        self.current_iteration = it + 1
-        for old in [k for k in self._iters if k <= it]:
-            del self._iters[old]
-        self.history.append(stats)
+        progress.committed_at(it, stats)
         if self.stage_state.due(it):
             await self.save_checkpoint()
         if self.on_iteration is not None:
@@ -458,7 +467,7 @@ class TrainerNode:
         if self._on_kill is not None:
             self._on_kill()
         self.pipeline.wakeup.set()
-        for st in self._iters.values():
+        for st in self.progress.iterations.values():
             st.all_done.set()
 
     async def shutdown(self) -> None:
@@ -471,16 +480,17 @@ class TrainerNode:
             self.lifecycle = Lifecycle.CLOSED
         await self.recovery.stop_monitor()
         await self.pipeline.close()
-        if self.dataplane is not None:
-            await self.dataplane.close()
-            self.dataplane = None
+        await self.sender.close()
+        if self.sender.dataplane is not None:
+            await self.sender.dataplane.close()
+            self.sender.dataplane = None
         await self.stage_state.close()
-        if self.averager is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.averager.shutdown)
-            self.averager = None
+        if self.resources.averager is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.resources.averager.shutdown)
+            self.resources.averager = None
         self.pipeline.stop_compute()
 
 
-# the daemon side of training, re-exported: callers import the trainer's public names from this one module
+# the agreement's names, re-exported: callers import the trainer's public names from this one module (the
+# daemon side, TrainerService, lives in node.train.service, which imports this module)
 from node.train.agreement import TrainingDisagreement, summary_differences, training_summary  # noqa: E402
-from node.train.service import TrainerService  # noqa: E402

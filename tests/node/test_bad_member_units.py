@@ -112,7 +112,7 @@ class _FakeNode:
         self.health = PeerHealth(ME, alive=None, self_alive=lambda: True, ban_s=30.0, ban_max_s=300.0)
         self.dropped, self.sent = [], []
         self.runtime = SimpleNamespace(drop=self.dropped.append)
-        self.pipeline = SimpleNamespace(send_control=lambda peer, msg: self.sent.append((peer, msg)))
+        self.sender = SimpleNamespace(send_control=lambda peer, msg: self.sent.append((peer, msg)))
 
 
 def test_a_members_poisoned_hop_is_its_fault_and_fails_the_microbatch_at_once():

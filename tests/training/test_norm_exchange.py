@@ -13,6 +13,7 @@ import node.train.commit as commit_mod
 from node.net.records import NormRecord
 from node.train.commit import IterationCommit, global_squared_norm, norm_report, record_of_report
 from node.train.common import IterationState, TrainerConfig
+from node.train.progress import StageResources
 
 RUN = "norm-test"
 ME, A, B = "peer-a0", "peer-b1", "peer-c2"
@@ -39,6 +40,23 @@ class FakeNode:
 
     def check_done(self, st):
         self.checked += 1
+
+
+def commit_for(node: FakeNode) -> IterationCommit:
+    """An IterationCommit given the fake's parts, as the trainer gives it its own."""
+    epochs = SimpleNamespace(members=node.members, data_node_peers=node.data_node_peers, epoch=node.epoch, stage=0,
+                             to_announce=node.epochs.to_announce, learn=node.epochs.learn, knows=node.epochs.knows)
+    progress = SimpleNamespace(committed=node.committed_iteration, current=node.current_iteration, history=[],
+                               check_done=node.check_done)
+    sender = SimpleNamespace(send_control=node.pipeline.send_control, dataplane=node.dataplane)
+
+    async def compute(fn, *args):
+        return fn(*args)
+
+    return IterationCommit(node.cfg, peer_id=node.peer_id, node_name=node.node_name, epochs=epochs, progress=progress,
+                           health=node.health, resources=StageResources(runtime=getattr(node, "runtime", None)),
+                           sender=sender, compute=compute, expected_state=lambda: None, dht=node.dht,
+                           emulation=getattr(node, "emulation", None))
 
 
 def _record(stage, sq, epoch=2, **kw):
@@ -74,7 +92,7 @@ def test_report_and_record_carry_the_same_numbers():
 def test_direct_reports_end_the_barrier_without_reading_the_dht(dht):
     cfg = TrainerConfig(run_id=RUN, norm_direct_grace_s=60.0)
     node = FakeNode(cfg)
-    c = IterationCommit(node)
+    c = commit_for(node)
     mine, theirs = _record(0, 1.0), {A: _record(1, 4.0), B: _record(1, 9.0)}
 
     async def main():
@@ -97,7 +115,7 @@ def test_direct_reports_end_the_barrier_without_reading_the_dht(dht):
 def test_a_missing_report_is_read_from_the_dht_after_the_grace(dht):
     cfg = TrainerConfig(run_id=RUN, norm_direct_grace_s=0.05, norm_poll_s=0.01)
     node = FakeNode(cfg)
-    c = IterationCommit(node)
+    c = commit_for(node)
     mine, a, b = _record(0, 1.0), _record(1, 4.0), _record(2, 2.0)
     dht.records = {ME: mine, A: a, B: b, "outsider": _record(2, 100.0)}
 
@@ -117,7 +135,7 @@ def test_same_result_direct_or_from_the_dht(dht):
 
     def exchange(direct: bool):
         cfg = TrainerConfig(run_id=RUN, norm_direct_grace_s=60.0 if direct else 0.0, norm_poll_s=0.01)
-        c = IterationCommit(FakeNode(cfg))
+        c = commit_for(FakeNode(cfg))
         dht.records = None if direct else dict(records)
 
         async def main():
@@ -137,7 +155,7 @@ def test_same_result_direct_or_from_the_dht(dht):
 def test_dead_members_are_not_waited_for_and_silent_ones_time_out(dht):
     cfg = TrainerConfig(run_id=RUN, norm_direct_grace_s=0.0, norm_poll_s=0.01, norm_exchange_timeout_s=0.2)
     node = FakeNode(cfg, dead={B})
-    c = IterationCommit(node)
+    c = commit_for(node)
     mine = _record(0, 1.0)
     got = asyncio.run(asyncio.wait_for(c._exchange_norms(5, mine), 30))
     assert got == {ME: mine} and node.suspected == [A]
@@ -146,7 +164,7 @@ def test_dead_members_are_not_waited_for_and_silent_ones_time_out(dht):
 
 def test_reports_outside_the_window_or_of_another_run_are_ignored():
     node = FakeNode(TrainerConfig(run_id=RUN))
-    c = IterationCommit(node)
+    c = commit_for(node)
     c.on_norm_report(norm_report(RUN, 4, A, _record(1, 1.0)), A)  # committed already
     c.on_norm_report(norm_report(RUN, 7, A, _record(1, 1.0)), A)  # too far ahead
     c.on_norm_report(norm_report("other", 5, A, _record(1, 1.0)), A)
@@ -158,7 +176,7 @@ def test_reports_outside_the_window_or_of_another_run_are_ignored():
 
 def test_a_data_nodes_direct_report_stands_in_for_its_iteration_done(dht):
     node = FakeNode(TrainerConfig(run_id=RUN, done_poll_s=0.0))
-    c = IterationCommit(node)
+    c = commit_for(node)
     st = IterationState()
     c.on_norm_report(norm_report(RUN, 5, A, _record(0, 1.0, dropped=2)), A)
     asyncio.run(c.maybe_done_from_norms(5, st, 0.0))
@@ -177,7 +195,7 @@ def test_averaging_is_padded_to_the_emulated_allreduce_time():
     node = FakeNode(TrainerConfig(run_id=RUN))
     node.runtime = SimpleNamespace(grads=lambda: [torch.zeros(1000), torch.zeros(250), None])  # 5000 bytes
     node.emulation = emulation
-    c = IterationCommit(node)
+    c = commit_for(node)
     assert c.emulated_allreduce_s([ME]) == 0.0
     assert c.emulated_allreduce_s([ME, A]) == pytest.approx(5000 / 1e6 + 0.02)
     # three replicas: the slow link to B decides
@@ -186,5 +204,5 @@ def test_averaging_is_padded_to_the_emulated_allreduce_time():
     assert c.averaging_padded_s == pytest.approx(0.025) and c.averaging_overrun_s == 0.0
     asyncio.run(c._pad_averaging([ME, A], 1.0))
     assert c.averaging_overrun_s == pytest.approx(1.0 - 0.025)
-    node.emulation = SimpleNamespace(link_emulator=None)  # no link emulation: no padding
+    c.emulation = SimpleNamespace(link_emulator=None)  # no link emulation: no padding
     assert c.emulated_allreduce_s([ME, A, B]) == 0.0

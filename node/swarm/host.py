@@ -1,0 +1,64 @@
+"""The daemon as its parts see it: a typed seam (:class:`SwarmHost`), so :mod:`node.swarm.membership` and
+:mod:`node.swarm.rpc_api` name what they read of the :class:`node.swarm.daemon.Daemon` without importing it
+(the daemon builds them; they never build it). The daemon's parts are made before the network is up and
+read the daemon's view, gossip and coordinator as they come and go, so they keep the host, not copies."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from node.net.access import SwarmAccess
+    from node.net.identity import NodeIdentity
+    from node.net.rpc import RpcServer
+    from node.ops.metrics import NodeMetrics
+    from node.swarm.admission import Admission
+    from node.swarm.adverts import AdvertStore
+    from node.swarm.config import DaemonConfig
+    from node.swarm.coordinator import Coordinator, RunConfig
+    from node.swarm.gossip import GossipService
+    from node.swarm.gossip_access import GossipAccessControl
+    from node.swarm.states import NodeLogger, NodeState
+    from node.swarm.view import SwarmView
+    from protocol.messages import ScheduleEpoch, StageAdvert
+
+__all__ = ["SwarmHost"]
+
+
+class SwarmHost(Protocol):
+    """What the daemon's membership and RPC handlers read of it; None where a part is not started yet."""
+
+    peer_id: str
+    config: "DaemonConfig"
+    log: "NodeLogger"
+    identity: "NodeIdentity"
+    access: "SwarmAccess"
+    metrics: "NodeMetrics"
+    rpc: "RpcServer"
+    p2p: Any  # hivemind.p2p.P2P
+    dht: Any  # hivemind.DHT
+    state: "NodeState"
+    stages: Sequence[int]
+    run: Optional["RunConfig"]
+    view: Optional["SwarmView"]
+    gossip: Optional["GossipService"]
+    gossip_access: "GossipAccessControl"
+    adverts: Optional["AdvertStore"]
+    coordinator: Optional["Coordinator"]
+    admission: Optional["Admission"]
+    membership: Any  # node.swarm.membership.Membership
+    training_summary: Optional[dict]
+
+    @property
+    def current_epoch(self) -> Optional["ScheduleEpoch"]: ...
+
+    @property
+    def protocol_version(self) -> int: ...
+
+    def advert(self) -> "StageAdvert": ...
+
+    def status_json(self) -> dict: ...
+
+    def is_peer_allowed(self, peer_id: str) -> bool: ...
+
+    def register_rpc(self, name: str, method: Callable[[dict], Awaitable[Any]]) -> None: ...
