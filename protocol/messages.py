@@ -9,6 +9,7 @@ peer that receives a message can trust its shape without re-checking it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -45,6 +46,8 @@ __all__ = [
     "MEMBERSHIP_KINDS",
     "PEER_STATE_ORDER",
     "MAX_PORT",
+    "Reachability",
+    "REACHABILITY_VALUES",
 ]
 
 #: Lifecycle states a peer advertises in :class:`StageAdvert`, in lifecycle order.
@@ -52,6 +55,22 @@ PEER_STATE_ORDER: tuple[str, ...] = ("JOINING", "ONLINE", "DRAINING", "OFFLINE")
 PEER_STATES: frozenset[str] = frozenset(PEER_STATE_ORDER)
 #: Kinds of :class:`MembershipEvent`.
 MEMBERSHIP_KINDS: frozenset[str] = frozenset({"join", "leave", "suspect", "alive"})
+
+
+class Reachability(str, enum.Enum):
+    """How other peers can open a connection to a peer, as it learned it (carried by :class:`StageAdvert`)."""
+
+    #: a peer answered a dial-back at one of its addresses: anyone may dial it
+    DIRECT = "direct"
+    #: nobody can dial it, but it holds a reservation on a relay: peers reach it through the relay
+    RELAYED = "relayed"
+    #: nobody can dial it and no relay carries it: it can only use connections it opened itself
+    OUTBOUND_ONLY = "outbound_only"
+    #: not learned (yet): no peer answered a dial-back; treated as dialable, as peers were before
+    UNKNOWN = "unknown"
+
+
+REACHABILITY_VALUES: frozenset[str] = frozenset(r.value for r in Reachability)
 #: Highest TCP/UDP port number (16-bit field).
 MAX_PORT: int = 65535
 
@@ -255,9 +274,14 @@ class StageAdvert:
     #: Digest of the training configuration this peer trains ("" when it does not train): members
     #: admit only peers with their own digest into a schedule epoch.
     config_digest: str = ""
+    #: How others can reach this peer (a :class:`Reachability` value); absent from older senders.
+    reachability: str = Reachability.UNKNOWN.value
 
     def validate(self, options: DecodeOptions) -> None:
-        """Known state, non-negative counts, finite compute speed, a valid port and a short digest."""
+        """Known state and reachability, non-negative counts, finite compute speed, a valid port and a short digest."""
+        if self.reachability not in REACHABILITY_VALUES:
+            raise MalformedMessage(f"StageAdvert.reachability must be one of {sorted(REACHABILITY_VALUES)}, "
+                                   f"got {self.reachability[:100]!r}")
         if len(self.config_digest) > MAX_CONFIG_DIGEST_CHARS:
             raise MalformedMessage(f"StageAdvert.config_digest longer than {MAX_CONFIG_DIGEST_CHARS} characters")
         if self.state not in PEER_STATES:

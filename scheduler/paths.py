@@ -41,6 +41,7 @@ import numpy as np
 
 from scheduler.cost import CostMatrix
 from scheduler.errors import ScheduleError
+from scheduler.robust import PredictedSpread, RobustConfig, cost_scenarios, most_robust
 from scheduler.routes import RouteLimits, allowed_sequences
 from scheduler.schedule import PathEntry, Schedule
 from scheduler.simulator import simulate_routes
@@ -76,6 +77,8 @@ class PathReport:
     budget_hit: bool
     wall_s: float
     iteration_budget: int = 0
+    #: the result's iteration time under the robustness scenarios (None: not judged)
+    spread: PredictedSpread | None = None
 
 
 def normalise_request(
@@ -188,6 +191,8 @@ class _Problem:
         self.L = path_length
         self.memory = memory
         self.limits = limits
+        #: seconds one transfer occupies each link (set by the search: transfers queue on shared links)
+        self.link_busy_s = None
         self.S = len(stages)
         self.stage_of = {v: s for s, nodes in enumerate(stages) for v in nodes}
         self.seqs = allowed_sequences(self.S, path_length, limits, max_sequences)
@@ -456,13 +461,13 @@ def routes_to_schedule(
     return Schedule(tuple(tuple(s) for s in stages), path_length, memory, tuple(entries), cost, limits)
 
 
-def _objective(routes: Routes, cost: CostMatrix, memory: int) -> tuple[float, float]:
-    res = simulate_routes(routes, cost, memory)
+def _objective(routes: Routes, cost: CostMatrix, memory: int, link_busy_s=None) -> tuple[float, float]:
+    res = simulate_routes(routes, cost, memory, link_busy_s=link_busy_s)
     return res.iteration_time_s, sum(res.finish_s.values())
 
 
-def _critical(routes: Routes, cost: CostMatrix, memory: int) -> int:
-    res = simulate_routes(routes, cost, memory)
+def _critical(routes: Routes, cost: CostMatrix, memory: int, link_busy_s=None) -> int:
+    res = simulate_routes(routes, cost, memory, link_busy_s=link_busy_s)
     return max(res.finish_s, key=lambda d: (res.finish_s[d], -d))
 
 
@@ -521,11 +526,16 @@ def search_paths(
     max_sequences: int = 20000,
     blind_orders: int = 8,
     anneal_temperature: float = 0.0,
+    robust: RobustConfig | None = RobustConfig(),
+    link_busy_s: Sequence[Sequence[float]] | None = None,
+    robust_snapshots: int = 4,
+    robust_task_budget: int = 300_000,
 ) -> PathSearch:
     """:func:`schedule_paths_report`, also returning the collision-blind schedule."""
     t0 = time.perf_counter()
     st, counts = normalise_request(stages, cost, path_length, microbatches_per_data_node, memory)
     pb = _Problem(st, cost, path_length, memory, limits, max_sequences)
+    pb.link_busy_s = link_busy_s
     blind = collision_blind_routes(pb, counts, blind_orders)
     candidates: list[Routes] = [blind] if blind is not None else []
     if collision_aware:
@@ -550,18 +560,29 @@ def search_paths(
         simulated_task_budget=simulated_task_budget, min_iterations=min_iterations,
     )
     if not collision_aware:
-        t = simulate_routes(candidates[0], cost, memory).iteration_time_s
+        t = simulate_routes(candidates[0], cost, memory, link_busy_s=link_busy_s).iteration_time_s
         return PathSearch(blind_sched, PathReport(t, t, 0, False, time.perf_counter() - t0, 0), blind_sched)
-    scored = [(_objective(r, cost, memory), i) for i, r in enumerate(candidates)]
+    scored = [(_objective(r, cost, memory, link_busy_s), i) for i, r in enumerate(candidates)]
     (cur_obj, bi) = min(scored)
     cur = {d: list(rs) for d, rs in candidates[bi].items()}
     initial = cur_obj[0]
     rng = random.Random(seed)
-    done, hit = _local_search(pb, cur, cur_obj, iters, rng, t0 + budget_s, anneal_temperature)
-    final = _objective(cur, cost, memory)[0]
+    snapshots: list[Routes] = []
+    done, hit = _local_search(pb, cur, cur_obj, iters, rng, t0 + budget_s, anneal_temperature,
+                              snapshots=snapshots, keep_snapshots=robust_snapshots if robust is not None else 0)
+    spread = None
+    if robust is not None:
+        # near-best alternatives: the last improvements of the search, then the best constructions
+        pool: list[Routes] = [cur] + [r for r in reversed(snapshots) if r != cur]
+        pool += [candidates[i] for _, i in sorted(scored)[:2] if candidates[i] not in pool]
+        per_plan = max(1, total * (2 * path_length + 1)) * (robust.samples + 2)  # simulated tasks to judge one
+        pool = pool[: max(1, robust_task_budget // per_plan)]
+        k, spread = most_robust(pool, cost, memory, cost_scenarios(cost, link_busy_s, robust, seed), robust)
+        cur = {d: list(rs) for d, rs in pool[k].items()}
+    final = _objective(cur, cost, memory, link_busy_s)[0]
     sched = routes_to_schedule(st, cur, path_length, memory, cost, limits)
     validate_schedule(sched, microbatches_per_data_node=counts)
-    return PathSearch(sched, PathReport(initial, final, done, hit, time.perf_counter() - t0, iters), blind_sched)
+    return PathSearch(sched, PathReport(initial, final, done, hit, time.perf_counter() - t0, iters, spread), blind_sched)
 
 
 def schedule_paths_report(
@@ -588,6 +609,15 @@ def schedule_paths_report(
     blind_orders: data-node orders tried by the collision-blind construction.
     anneal_temperature: simulated-annealing start temperature as a fraction of the starting
         iteration time (0: plain descent).
+    robust: scenarios the finished search and its near-best alternatives are judged under
+        (:mod:`scheduler.robust`); the best mean wins and the report carries its spread.
+        None: take the search's nominal best as it is.
+    link_busy_s: seconds one transfer occupies each directed link, so the search and the scenarios
+        queue transfers on shared links as the emulation and real links do (None: unshared, the
+        reference's model).
+    robust_snapshots: how many of the search's last improvements are judged besides its result.
+    robust_task_budget: simulated tasks the judging may take (a fifth of the search's default
+        ``simulated_task_budget``): at 1,000 nodes only the result and one alternative are judged.
     """
     out = search_paths(stages, cost, path_length, microbatches_per_data_node, memory, seed, budget_s, **options)
     return out.schedule, out.report
@@ -678,6 +708,9 @@ def _local_search(
     rng: random.Random,
     deadline: float,
     temperature: float = 0.0,
+    *,
+    snapshots: list | None = None,
+    keep_snapshots: int = 0,
 ) -> tuple[int, bool]:
     """Simulation-guided local search, in place on ``cur``. Returns (iterations done, budget hit).
 
@@ -686,13 +719,14 @@ def _local_search(
     frees the nodes the critical one needs). With ``temperature > 0`` a worse move is also
     accepted with probability ``exp(-increase / T)``, ``T`` falling linearly from
     ``temperature x`` the starting time to 0 (simulated annealing); the best schedule seen is
-    what ``cur`` holds at the end.
+    what ``cur`` holds at the end. ``snapshots`` receives copies of the ``keep_snapshots`` best
+    schedules the search held before its final one (the newest last).
     """
     cost, memory = pb.cost, pb.memory
     mbs = [(d, i) for d in sorted(cur) for i in range(len(cur[d]))]
     if not mbs:
         return 0, False
-    critical = _critical(cur, cost, memory)
+    critical = _critical(cur, cost, memory, pb.link_busy_s)
     n_swapping = sum(pb.has_swap(r) for d in cur for r in cur[d])
     multi = [s for s in range(1, pb.S) if len(pb.stages[s]) > 1]
     best_obj, best = cur_obj, {d: list(rs) for d, rs in cur.items()}
@@ -769,7 +803,7 @@ def _local_search(
         new_swapping = n_swapping + sum(pb.has_swap(r) for _, _, r in changes) - sum(pb.has_swap(r) for _, _, r in old)
         ok = new_swapping == 0 or deadlock_risk(cur, memory) is None
         if ok:
-            res = simulate_routes(cur, cost, memory)
+            res = simulate_routes(cur, cost, memory, link_busy_s=pb.link_busy_s)
             obj = (res.iteration_time_s, sum(res.finish_s.values()))
             accept = obj[0] <= cur_obj[0] + 1e-9 and (obj[0] < cur_obj[0] - 1e-9 or obj[1] <= cur_obj[1] + 1e-9)
             if not accept and t_start > 0 and math.isfinite(obj[0]):
@@ -780,6 +814,9 @@ def _local_search(
                 n_swapping = new_swapping
                 critical = max(res.finish_s, key=lambda d: (res.finish_s[d], -d))
                 if obj < best_obj:
+                    if snapshots is not None and keep_snapshots > 0:
+                        snapshots.append(best)
+                        del snapshots[:-keep_snapshots]
                     best_obj = obj
                     best = {d: list(rs) for d, rs in cur.items()}
                 continue

@@ -15,6 +15,18 @@ if ! command -v chromium >/dev/null 2>&1; then
         echo "[test setup] no chromium and no root/apt-get: the dashboard test will be skipped"
     fi
 fi
+# iptables for the NAT testbed (node/testing/nat.py: router namespaces doing source NAT). Only as root with apt.
+if ! command -v iptables >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "[test setup] iptables (NAT testbed)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iptables >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null 2>&1 \
+                 && apt-get install -y --no-install-recommends iptables >/dev/null 2>&1; } \
+            || echo "[test setup] iptables could not be installed: the NAT tests will be skipped"
+    else
+        echo "[test setup] no iptables and no root/apt-get: the NAT tests will be skipped"
+    fi
+fi
 .venv/bin/python -m pytest -q -ra "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then   # pytest: no tests collected -- not a failure of the code under test

@@ -47,6 +47,9 @@ def test_plan_json_to_stdout_with_bound_and_gap(capsys):
         t = res["variants"][name]["iteration_time_s"]
         assert bound <= t and res["variants"][name]["gap_to_bound"] == pytest.approx(t / bound - 1)
     assert res["gap_to_bound"] == res["variants"]["skippipe"]["gap_to_bound"]
+    spread = res["predicted_spread"]  # the plan judged under perturbed costs and shared links
+    assert spread["scenarios"] >= 2 and spread["p10_s"] <= spread["p90_s"]
+    assert spread["nominal_s"] == pytest.approx(res["variants"]["skippipe"]["iteration_time_s"])
     assert res["wall_cap"] == {"cap_s": 300.0, "hit": False, "hit_in": []}
     assert res["work"]["path_iterations"] == res["work"]["path_iteration_budget"] == 1500
 

@@ -18,7 +18,7 @@ from node.cli.validate import (MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, M
 from node.errors import UserError
 from scheduler.allocation import allocate
 from scheduler.compare import compare_variants
-from scheduler.cost import CostParams, LinkProfile, ModelShape, build_cost, nodes_round_robin
+from scheduler.cost import CostParams, LinkProfile, ModelShape, build_cost, link_busy_matrix, nodes_round_robin
 from scheduler.errors import ScheduleError
 from scheduler.routes import RouteLimits
 from scheduler.schedule import load_schedule
@@ -135,7 +135,7 @@ def run_plan(args: argparse.Namespace) -> int:
         t_alloc = time.perf_counter() - t0
         cmp = compare_variants(
             alloc.stages, cost, args.path_length, args.microbatches, args.memory, args.seed,
-            max(0.0, args.budget_s - t_alloc), limits=limits,
+            max(0.0, args.budget_s - t_alloc), limits=limits, link_busy_s=link_busy_matrix(nodes, profile, shape),
         )
     except ScheduleError as e:
         raise UserError(str(e)) from None
@@ -154,6 +154,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "variants": cmp.to_json(),
         "lower_bound": cmp.bound.to_json(),
         "gap_to_bound": cmp.gap("skippipe"),
+        # the plan's iteration time when the cost model is off (scheduler/robust.py)
+        "predicted_spread": cmp.report.spread.to_json() if cmp.report.spread is not None else None,
         "work": {
             "allocation_generations": alloc.generations, "allocation_generation_budget": alloc.generation_budget,
             "path_iterations": cmp.report.iterations, "path_iteration_budget": cmp.report.iteration_budget,
@@ -195,6 +197,10 @@ def run_plan(args: argparse.Namespace) -> int:
         f"lower bound on any skipping schedule: {cmp.bound.value_s:.2f} s ({cmp.bound.detail}); "
         f"SkipPipe is {cmp.gap('skippipe'):+.1%} above it"
     )
+    if cmp.report.spread is not None:
+        sp = cmp.report.spread
+        print(f"if the costs are off (compute and links +-25%, shared links): SkipPipe {sp.p10_s:.2f}-{sp.p90_s:.2f} s "
+              f"(10th-90th percentile of {sp.scenarios} scenarios), mean {sp.mean_s:.2f} s")
     print(
         f"work: allocation {alloc.generations}/{alloc.generation_budget} generations, "
         f"path search {cmp.report.iterations}/{cmp.report.iteration_budget} iterations"

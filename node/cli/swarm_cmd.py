@@ -91,6 +91,11 @@ def format_status(data: dict) -> str:
         f"  schedule: epoch {sc.get('epoch')} ({sc.get('status')})"
         + (f" by {_short(sc.get('coordinator'))}" if sc.get("epoch") is not None else ""),
     ]
+    reach = st.get("reachability") or {}
+    if reach:
+        lines.append(f"  reachability: {reach.get('reachability')}"
+                     + (f", seen from {reach['observed_ip']}" if reach.get("observed_ip") else "")
+                     + (f", via {', '.join(reach['relays'])}" if reach.get("relays") else ""))
     if st.get("missing_stages"):
         lines.append(f"  MISSING STAGES: {st['missing_stages']} have no live replica: training pauses until a node "
                      "holding them (or its checkpoint) returns")
@@ -113,7 +118,7 @@ def format_status(data: dict) -> str:
     lines.append("")
     me = st["peer_id"]
     links = {(l["src"], l["dst"]): l for l in sw.get("links", [])}
-    header = f"{'PEER':<13} {'STAGES':<8} {'STATE':<9} {'AGE_S':>6} {'S/SAMPLE/LAYER':>15} {'RTT_MS':>8} {'BW_MB/S':>8}"
+    header = f"{'PEER':<13} {'STAGES':<8} {'STATE':<9} {'AGE_S':>6} {'S/SAMPLE/LAYER':>15} {'RTT_MS':>8} {'BW_MB/S':>8} {'REACH':<13}"
     lines.append(header)
     for p in sw.get("peers", []):
         link = links.get((me, p["peer_id"])) or links.get((p["peer_id"], me))
@@ -123,7 +128,7 @@ def format_status(data: dict) -> str:
         stages = ",".join(str(s) for s in p["stages"])
         lines.append(
             f"{_short(p['peer_id']) + mark:<13} {stages:<8} {p['state']:<9} {p['age_s']:>6.1f} "
-            f"{p['compute_s_per_sample_per_layer']:>15.4f} {rtt:>8} {bw:>8}"
+            f"{p['compute_s_per_sample_per_layer']:>15.4f} {rtt:>8} {bw:>8} {p.get('reachability', 'unknown'):<13}"
         )
     if sc.get("epoch") is not None:
         lines += ["", f"paths of epoch {sc['epoch']} (node index -> peer):"]

@@ -474,6 +474,10 @@ class DataPlane:
     async def close(self) -> None:
         for held in list(self._held):
             held.cancel()
+        # a sender keeps its stream to us open: without this its frames would go on reaching this closed
+        # plane (and its guard's old iteration) after a new trainer of the same daemon opened its own
+        for task in list(self._handler_tasks):
+            task.cancel()
         for out in self._out.values():
             if out.writer is not None:
                 out.writer.close()

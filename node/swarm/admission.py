@@ -9,14 +9,29 @@ peer nobody can reach stalls every iteration routed through it. So a live advert
   libp2p stream to the peer id of its advert, through the addresses its advert names. libp2p's
   secure handshake authenticates that peer id, so only a process holding the advert's private key and
   running a daemon can echo the nonce, and it answers with its configuration digest and stages;
+* it does not hold a **stale state**: the answer carries the iteration its trainer last committed
+  (none when it is not training: a fresh joiner, or a node that left to catch up); a candidate still
+  training an iteration more than :data:`MAX_LAG_ITERATIONS` behind ours (a node frozen for a while,
+  then continued) is refused until it has left its old run; it then enters as a joiner, which takes
+  its stage's state from the replicas and checks it against them (``fetch_verified_state``) before it
+  trains its first iteration;
+* a peer that was a member and is not in the current epoch (its advert lapsed, it went silent) must
+  answer a fresh challenge before an epoch names it again: its earlier answer says nothing about its
+  progress now;
 * at most :data:`MAX_NEW_MEMBERS_PER_EPOCH` candidates are added to a running epoch at a time.
 
 Epoch members are probed the same way every :data:`MEMBER_PROBE_EVERY_S`; a member that fails every
 probe for :data:`SILENT_AFTER_S` (and at least :data:`SILENT_AFTER_PROBES` in a row) counts as
 **silent**: gone for the trainer (:meth:`node.swarm.daemon.Daemon.peer_alive`, so training routes
 around it) and for the coordinator (the next epoch leaves it out), even while its adverts stay fresh.
-A member left out at the start barrier because it pinned another run (:meth:`Admission.leave_out`)
-is never admitted again by this process.
+A member that answers but does not **train** counts the same as one that does not answer: once this
+node has committed the epoch's first iteration, a member whose committed iteration lags ours by more
+than :data:`MAX_LAG_ITERATIONS` fails its probe (a joiner that could not verify any state, a node
+stuck on an old iteration); every iteration would otherwise wait for its missing norm until the norm
+timeout. A peer dropped this way is asked again only after a back-off that doubles with each drop
+(:data:`DROPPED_RETRY_S`), so a joiner that never manages to train costs the swarm a bounded share
+of its time. A member left out at the start barrier because it pinned another run
+(:meth:`Admission.leave_out`) is never admitted again by this process.
 
 Not covered: a challenge proves a live daemon behind the identity with the right configuration, not
 that it will compute honestly; many real daemons can still join (at the capped rate), and what a
@@ -68,6 +83,18 @@ SILENT_AFTER_S = 30.0
 SILENT_AFTER_PROBES = 3
 #: Longest nonce echoed back (the caller's nonce is 32 hex characters).
 MAX_NONCE_CHARS = 64
+#: Iterations a training peer may be behind us and still count as in step: an iteration commits only
+#: once every member published its gradient norm, so an honest member is at most one iteration behind
+#: the iteration we had committed when we sent the challenge; two or more means the swarm went on
+#: without it (or it is training a run it fell out of).
+MAX_LAG_ITERATIONS = 1
+#: Seconds before a peer dropped as silent or not training is asked again, doubled with each further
+#: drop up to :data:`MAX_DROPPED_RETRY_S`: a returning honest node is back within a minute, a joiner
+#: that enters and never trains re-enters ever more rarely.
+DROPPED_RETRY_S = 15.0
+#: Longest back-off of :data:`DROPPED_RETRY_S` (ten minutes: an honest node that failed to join many
+#: times still gets a try every few minutes).
+MAX_DROPPED_RETRY_S = 600.0
 
 
 def challenge_over_p2p(daemon) -> Callable[[str, dict], Awaitable[object]]:
@@ -101,10 +128,16 @@ class Admission:
     """Challenges candidates, probes members, and answers other nodes' challenges."""
 
     def __init__(self, self_id: str, config_digest: str, call: Callable[[str, dict], Awaitable[object]],
-                 stages: Callable[[], tuple], log: logging.LoggerAdapter | logging.Logger = logger):
-        """``call(peer, params)``: the ``admit`` RPC to ``peer`` (raises on failure)."""
+                 stages: Callable[[], tuple], log: logging.LoggerAdapter | logging.Logger = logger,
+                 iteration: Callable[[], int | None] = lambda: None, epoch_start: Callable[[], int] = lambda: 0):
+        """``call(peer, params)``: the ``admit`` RPC to ``peer`` (raises on failure); ``iteration()``: the
+        iteration this node's trainer last committed, None when it is not training; ``epoch_start()``: the
+        first iteration of the current epoch (members are held to our progress only past it)."""
         self.self_id, self.config_digest = self_id, config_digest
         self._call, self._stages, self._log = call, stages, log
+        self._iteration, self._epoch_start = iteration, epoch_start
+        self._drops: dict[str, int] = {}  # peer -> times dropped as silent or not training
+        self._members: set[str] = set()  # the epoch members of the last round
         self.admitted: dict[str, float] = {}  # peer -> when it answered its first challenge
         self.silent: set[str] = set()
         self.left_out: dict[str, str] = {}  # peer -> why (never admitted again)
@@ -141,7 +174,33 @@ class Admission:
         """The reply to another node's challenge."""
         nonce = params.get("nonce") if isinstance(params, dict) else None
         return {"nonce": str(nonce)[:MAX_NONCE_CHARS], "peer_id": self.self_id, "config_digest": self.config_digest,
-                "stages": list(self._stages())}
+                "stages": list(self._stages()), "iteration": self._safe_iteration()}
+
+    def _safe_iteration(self) -> int | None:
+        try:
+            it = self._iteration()
+        except Exception:  # noqa: BLE001 - a broken hook must not break admission
+            return None
+        return it if isinstance(it, int) and not isinstance(it, bool) and it >= 0 else None
+
+    def _lag(self, reply: dict, ours: int | None, member: bool) -> str | None:
+        """Why the peer's reported progress disqualifies it (stale or not training), or None.
+        ``ours``: the iteration we had committed before asking."""
+        if ours is None:
+            return None  # we are not training: nothing to compare with
+        theirs = reply.get("iteration")
+        if isinstance(theirs, bool) or not isinstance(theirs, int):
+            theirs = None
+        if member:
+            if ours < self._epoch_start():
+                return None  # the epoch's first iteration is not committed yet: a joiner may still be loading
+            if theirs is None:
+                return f"not training (we committed iteration {ours})"
+        elif theirs is None:
+            return None  # not training yet: a joiner, which takes verified state at its boundary
+        if theirs < ours - MAX_LAG_ITERATIONS:
+            return f"training iteration {theirs}, we committed {ours}: stale"
+        return None
 
     # ------------------------------------------------------------------ asking
     async def round(self, candidates: list, members: Iterable[str]) -> bool:
@@ -149,6 +208,9 @@ class Admission:
         True when a verdict changed (someone admitted, silent, or back)."""
         now = time.monotonic()
         members = [m for m in members if m != self.self_id]
+        for gone in self._members.difference(members):  # out of the epoch: back in only by a fresh challenge
+            self.admitted.pop(gone, None)
+        self._members = set(members)
         asks = [(e.peer_id, e.advert) for e in candidates
                 if e.peer_id != self.self_id and e.peer_id not in self.admitted and e.peer_id not in members
                 and e.peer_id not in self.left_out and self.same_config(e.advert)
@@ -161,8 +223,9 @@ class Admission:
             return False
         return any(await asyncio.gather(*jobs))
 
-    async def _challenge(self, peer_id: str) -> str | None:
-        """None when ``peer_id`` answered correctly, else why not."""
+    async def _challenge(self, peer_id: str, member: bool = False) -> str | None:
+        """None when ``peer_id`` answered correctly (and its progress is in step with ours), else why not."""
+        ours = self._safe_iteration()
         self._in_flight.add(peer_id)
         try:
             async with self._semaphore:
@@ -179,7 +242,7 @@ class Admission:
             return "wrong answer"
         if reply.get("config_digest") != self.config_digest:
             return "trains another configuration"
-        return None
+        return self._lag(reply, ours, member)
 
     async def _admit(self, peer_id: str, advert) -> bool:
         why = await self._challenge(peer_id)
@@ -200,7 +263,7 @@ class Admission:
     async def _probe(self, peer_id: str) -> bool:
         self._probed_at[peer_id] = time.monotonic()
         _bound(self._probed_at)
-        why = await self._challenge(peer_id)
+        why = await self._challenge(peer_id, member=True)
         now = time.monotonic()
         if why is None:
             self._failures.pop(peer_id, None)
@@ -216,7 +279,9 @@ class Admission:
                 and now - failures.since >= SILENT_AFTER_S):
             self.silent.add(peer_id)
             self.admitted.pop(peer_id, None)
-            self._retry_at[peer_id] = now + RETRY_AFTER_S
+            drops = self._drops[peer_id] = self._drops.pop(peer_id, 0) + 1
+            _bound(self._drops)
+            self._retry_at[peer_id] = now + min(DROPPED_RETRY_S * 2 ** (drops - 1), MAX_DROPPED_RETRY_S)
             self._log.warning("member %s is silent (%d probes failed over %.0f s, last: %s): leaving it out",
                               peer_id[-8:], failures.count, now - failures.since, why)
             return True

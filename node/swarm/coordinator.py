@@ -41,6 +41,7 @@ from node.swarm.view import PeerEntry, SwarmView
 from protocol.messages import ScheduleEpoch
 from scheduler.baselines import full_pipeline, random_skip
 from scheduler.cost import CostMatrix, ModelShape, cost_from_measurements
+from scheduler.reachability import apply_reachability, check_reachable
 from scheduler.errors import ScheduleError
 from scheduler.paths import schedule_paths_report
 from scheduler.schedule import Schedule
@@ -293,6 +294,7 @@ class Coordinator:
             stages = [[index[p] for p in members if assignment[p] == s] for s in range(self.run.num_stages)]
             entries = {e.peer_id: e for e in online}
             compute = [entries[p].advert.compute_s_per_sample_per_layer for p in members]
+            reach = [entries[p].advert.reachability for p in members]
             latency, bandwidth = self._link_matrices(members)
             number = (self.current.epoch + 1) if self.current is not None else 1
             loop = asyncio.get_running_loop()
@@ -301,6 +303,7 @@ class Coordinator:
                 cost = self.run.cost_by_location([entries[p].advert.location for p in members])
                 if cost is None:
                     cost = cost_from_measurements(compute, latency, bandwidth, ModelShape())
+                cost = apply_reachability(cost, reach)  # relayed links cost more; impossible ones are priced out
                 path_length = min(self.run.path_length, self.run.num_stages)
                 mb, policy = self.run.microbatches_per_data_node, self.run.schedule_policy
                 if policy == "full":
@@ -314,6 +317,7 @@ class Coordinator:
                         logger.warning("epoch %d: path search stopped at its %.0f s safety cap", number,
                                        self.budget_s)
                 validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())
+                check_reachable(schedule, reach)  # never a hop between two nodes nobody can dial
                 return schedule.to_json()
 
             try:

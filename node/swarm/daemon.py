@@ -71,6 +71,7 @@ from node.net.runconfig import summary_digest
 from node.swarm.admission import Admission, challenge_over_p2p
 from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
+from node.swarm.reachability_watch import ReachabilityWatch
 from node.swarm.rpc_api import DaemonRpcApi, members_only
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import NodeLogger, NodeState, Phase
@@ -103,7 +104,8 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig, services: Sequence[DaemonService] = ()):
         self.config = config
-        self.services: list[DaemonService] = list(services)
+        self.reachability = ReachabilityWatch()  # a service: learns how others reach us, keeps learning
+        self.services: list[DaemonService] = [self.reachability, *services]
         self.log = NodeLogger(logger)
         self.identity: NodeIdentity | None = None
         self.peer_id: str = ""
@@ -116,8 +118,7 @@ class Daemon:
         self.rpc = RpcServer(
             p2p_limiter=PeerRateLimiter(config.rpc_rate_per_s, config.rpc_burst),
             http_limiter=PeerRateLimiter(config.http_rate_per_s, config.http_burst),
-            on_request=self.metrics.count_rpc,
-        )
+            on_request=self.metrics.count_rpc)
         self.view: SwarmView | None = None
         self.adverts: AdvertStore | None = None
         self.coordinator: Coordinator | None = None
@@ -141,6 +142,8 @@ class Daemon:
         self.epoch_changed = asyncio.Event()
         #: Set by a training service: the first iteration a new schedule epoch may start at.
         self.training_progress: Callable[[float], int | None] | None = None
+        #: Set by a training service: the iteration it last committed (None while not training).
+        self.training_iteration: Callable[[], int | None] | None = None
         self.started_at = time.time()
         self.membership = Membership(self)
         self.gossip_access = GossipAccessControl(lambda: self.access, lambda: self.view, self.is_peer_allowed,
@@ -280,7 +283,7 @@ class Daemon:
             rpc_port=self.rpc.http_port,
             location=cfg.location,
             timestamp=time.time(),
-            config_digest=self.config_digest,
+            config_digest=self.config_digest, reachability=self.reachability.value,
         )
 
     def gossip_maddrs(self) -> list[str]:
@@ -415,8 +418,7 @@ class Daemon:
             self.membership.on_gossip,
         )
         await self.gossip.start()
-        self.admission = Admission(self.peer_id, self.config_digest, challenge_over_p2p(self), lambda: self.stages,
-                                   self.log)
+        self.admission = _admission_of(self)
         self.coordinator = Coordinator(
             run_id=cfg.run_id,
             identity=self.identity,
@@ -568,5 +570,14 @@ def _print_banner(daemon: Daemon) -> None:
         print("started a new swarm; others join with:", flush=True)
     for line in join_lines_for_daemon(daemon.config, daemon.services, joinable):
         print(line, flush=True)
+    print(daemon.reachability.line(), flush=True)
     if s["rpc_port"]:
         print(f"rpc: http://127.0.0.1:{s['rpc_port']}", flush=True)
+
+
+def _admission_of(daemon: Daemon) -> Admission:
+    """The daemon's admission: challenges over its libp2p host, progress from its training service."""
+    return Admission(
+        daemon.peer_id, daemon.config_digest, challenge_over_p2p(daemon), lambda: daemon.stages, daemon.log,
+        iteration=lambda: daemon.training_iteration() if daemon.training_iteration is not None else None,
+        epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0)

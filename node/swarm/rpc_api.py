@@ -106,7 +106,7 @@ class DaemonRpcApi:
         return d.admission.answer(params)
 
     async def rpc_status(self, params: dict) -> dict:
-        return self.daemon.status_json()
+        return {**self.daemon.status_json(), "reachability": self.daemon.reachability.to_json()}
 
     async def rpc_swarm(self, params: dict) -> dict:
         view = self.daemon.view

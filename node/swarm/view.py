@@ -72,6 +72,7 @@ class PeerEntry:
             "rpc_port": a.rpc_port,
             "location": a.location,
             "config_digest": a.config_digest,
+            "reachability": a.reachability,
             "last_seen": self.last_seen,
             "age_s": round(time.time() - self.last_seen, 3),
             "source": self.source,
@@ -203,7 +204,7 @@ class SwarmView:
 
     # ------------------------------------------------------------------ internals
     def _signature(self) -> frozenset:
-        return frozenset((p, e.state, tuple(e.advert.stages)) for p, e in self.peers.items())
+        return frozenset((p, e.state, tuple(e.advert.stages), e.advert.reachability) for p, e in self.peers.items())
 
     def _note_change(self, before: frozenset) -> None:
         if self._signature() != before:

@@ -30,6 +30,7 @@ from node.net.records import rejected_counts
 from node.train.agreement import RepinEpoch, RunAgreement, training_summary
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
+from node.train.staleness import run_unless_stale
 
 __all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
 
@@ -133,6 +134,7 @@ class TrainerService:
                                       node_name=self.node_name)
         daemon.register_rpc("training", self._rpc_training)
         daemon.training_progress = self.switch_iteration
+        daemon.training_iteration = self.committed_iteration
         coordinator = getattr(daemon, "coordinator", None)
         if coordinator is not None and hasattr(coordinator, "blocker"):
             coordinator.blocker = self.coordination_blocker
@@ -151,6 +153,13 @@ class TrainerService:
             return capped_join_boundary(earliest, wanted, self.iterations)
         if self.state is ServiceState.DONE:
             return self.iterations
+        return None
+
+    def committed_iteration(self) -> Optional[int]:
+        """For admission challenges: the iteration this node's trainer last committed, None while it is
+        not training (a joiner still loading its state answers None, a stale trainer its old iteration)."""
+        if self.state in (ServiceState.TRAINING, ServiceState.PAUSED) and self.trainer is not None:
+            return int(self.trainer.committed_iteration)
         return None
 
     def coordination_blocker(self) -> Optional[str]:
@@ -301,7 +310,7 @@ class TrainerService:
         self.state, self.waiting_reason = ServiceState.TRAINING, None
         self.log.info("training stage %d from iteration %d to %d", self.trainer.stage, self.trainer.current_iteration,
                       self.iterations)
-        await self.trainer.run(self.iterations)
+        await run_unless_stale(self.trainer, self.iterations, lambda: daemon.current_epoch, str(daemon.peer_id))
         await self.trainer.save_checkpoint()
         self._history_before = list(self.trainer.history)
         if self.trainer.left is not None:

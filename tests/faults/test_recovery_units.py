@@ -22,14 +22,25 @@ def _node(peer_id: str, stage: int = 1):
     return types.SimpleNamespace(_resync_source=choose)
 
 
-def test_resync_copies_the_lowest_finite_replica_only():
+def test_resync_copies_a_finite_majority_only():
     node = _node("b")
-    records = {"a": {"stage": 1, "checksum": 10.0}, "b": {"stage": 1, "checksum": 10.5}, "d": {"stage": 0, "checksum": 1.0}}
-    assert node._resync_source(records, 10.5) == "a"  # diverged: copy the lowest-id replica
+    records = {"a": {"stage": 1, "checksum": 10.0}, "b": {"stage": 1, "checksum": 10.5}, "c": {"stage": 1, "checksum": 10.0},
+               "d": {"stage": 0, "checksum": 1.0}}
+    assert node._resync_source(records, 10.5) == "a"  # diverged: copy the majority's lowest id
+    records.pop("c")
     assert node._resync_source(dict(records, b={"stage": 1, "checksum": 10.0}), 10.0) is None  # in sync
     poisoned = dict(records, a={"stage": 1, "checksum": math.nan})
     assert node._resync_source(poisoned, 10.5) is None  # a NaN replica is never a source
     assert _node("a")._resync_source(dict(records, a={"stage": 1, "checksum": math.nan}), math.nan) == "b"
+
+
+def test_two_replicas_that_disagree_copy_nobody():
+    """One honest replica, one liar whose peer id sorts first: with no majority neither copies the
+    other (the honest one used to take the liar's weights because its id was lower)."""
+    records = {"a": {"stage": 1, "checksum": 99.0}, "b": {"stage": 1, "checksum": 10.0},
+               "d": {"stage": 0, "checksum": 1.0}}
+    assert _node("b")._resync_source(records, 10.0) is None
+    assert _node("a")._resync_source(records, 99.0) is None
 
 
 def test_resync_follows_the_majority_not_the_lowest_peer_id():
@@ -48,7 +59,8 @@ def test_last_bit_noise_of_an_allreduce_is_not_a_divergence():
     node = _node("b")
     records = {"a": {"stage": 1, "checksum": 129.568975}, "b": {"stage": 1, "checksum": 129.568975 + 4e-7}}
     assert node._resync_source(records, 129.568975 + 4e-7) is None
-    records = {"a": {"stage": 1, "checksum": 130.172493}, "b": {"stage": 1, "checksum": 130.243528}}
+    records = {"a": {"stage": 1, "checksum": 130.172493}, "b": {"stage": 1, "checksum": 130.243528},
+               "c": {"stage": 1, "checksum": 130.172493}}
     assert node._resync_source(records, 130.243528) == "a"
 
 

@@ -116,6 +116,7 @@ async def test_a_member_that_never_answers_is_dropped_and_may_earn_its_way_back(
     monkeypatch.setattr(adm, "SILENT_AFTER_S", 0.0)
     monkeypatch.setattr(adm, "MEMBER_PROBE_EVERY_S", 0.0)
     monkeypatch.setattr(adm, "RETRY_AFTER_S", 0.0)
+    monkeypatch.setattr(adm, "DROPPED_RETRY_S", 0.0)
     ids = [i.peer_id.to_base58() for i in identities]
     view = _view(identities, 0, {0: (0,), 1: (1,), 2: (1,)})
     answers = {p: {"peer_id": p, "config_digest": DIGEST} for p in ids[:3]}
@@ -258,3 +259,83 @@ async def test_a_joiner_matching_one_member_record_is_not_refused(monkeypatch):
     with pytest.raises(TrainingDisagreement):
         await RunAgreement(host, "r", {"model": {"d_model": 16}}, min_members=1, start_debounce_s=0.0,
                            agreement_timeout_s=1.0, poll_s=0.01).check_joining_config()
+
+
+def _progress_admission(me, answers, ours, epoch_start=0):
+    """An Admission as :func:`_admission`, whose own trainer committed ``ours[0]`` (a list: tests move it)."""
+    a = _admission(me, answers)
+    a._iteration, a._epoch_start = (lambda: ours[0]), (lambda: epoch_start)
+    return a
+
+
+async def test_a_candidate_training_a_stale_iteration_is_refused_until_it_left_its_old_run(identities):
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = _view(identities, 0, {0: (0,), 1: (1,), 2: (1,)})
+    answers = {ids[1]: {"peer_id": ids[1], "config_digest": DIGEST, "iteration": 181},  # frozen, then continued
+               ids[2]: {"peer_id": ids[2], "config_digest": DIGEST, "iteration": 660}}  # in step (one behind)
+    a = _progress_admission(ids[0], answers, [661])
+    assert await a.round(view.online(), ())
+    assert set(a.admitted) == {ids[2]} and a.failed == 1
+    a._retry_at.clear()
+    answers[ids[1]] = {"peer_id": ids[1], "config_digest": DIGEST, "iteration": None}  # left: joins afresh
+    assert await a.round(view.online(), ()) and ids[1] in a.admitted
+    assert a.answer({"nonce": "n"})["iteration"] == 661
+
+
+async def test_a_member_that_answers_but_does_not_train_is_dropped_with_a_growing_back_off(identities, monkeypatch):
+    monkeypatch.setattr(adm, "SILENT_AFTER_S", 0.0)
+    monkeypatch.setattr(adm, "MEMBER_PROBE_EVERY_S", 0.0)
+    ids = [i.peer_id.to_base58() for i in identities]
+    answers = {ids[1]: {"peer_id": ids[1], "config_digest": DIGEST, "iteration": None},  # a joiner loading
+               ids[2]: {"peer_id": ids[2], "config_digest": DIGEST, "iteration": 99}}
+    ours = [99]
+    a = _progress_admission(ids[0], answers, ours, epoch_start=100)
+    members = (ids[0], ids[1], ids[2])
+    for _ in range(adm.SILENT_AFTER_PROBES):  # before the epoch's first iteration: nobody is held to it
+        assert not await a.round([], members)
+    ours[0] = 101
+    answers[ids[2]]["iteration"] = 100  # in step: one behind
+    for _ in range(adm.SILENT_AFTER_PROBES - 1):
+        assert not await a.round([], members)
+    assert await a.round([], members) and a.silent == {ids[1]}
+    first = a._retry_at[ids[1]] - time.monotonic()
+    a.silent.clear()
+    a._failures.clear()
+    for _ in range(adm.SILENT_AFTER_PROBES):
+        await a.round([], members)
+    assert a.silent == {ids[1]} and a._retry_at[ids[1]] - time.monotonic() > first + adm.DROPPED_RETRY_S / 2
+    answers[ids[2]]["iteration"] = 90  # the swarm went on without it
+    for _ in range(adm.SILENT_AFTER_PROBES):
+        await a.round([], members)
+    assert a.silent == {ids[1], ids[2]}
+
+
+def test_a_trainer_out_of_step_leaves_only_when_an_epoch_dropped_it_long_past_where_it_is():
+    from node.train.staleness import STALE_AFTER_S, stale_reason
+
+    dropped = SimpleNamespace(epoch=3, start_iteration=400, members=("d", "b"))
+    assert stale_reason(dropped, "a", 1, 182, STALE_AFTER_S + 10)  # frozen at 181 while the swarm went on
+    assert stale_reason(dropped, "a", 1, 182, STALE_AFTER_S - 1) is None  # still committing
+    assert stale_reason(SimpleNamespace(epoch=3, start_iteration=184, members=("d", "b")), "a", 1, 182,
+                        STALE_AFTER_S + 10) is None  # in step: it trains up to the boundary
+    assert stale_reason(SimpleNamespace(epoch=3, start_iteration=400, members=("d", "a")), "a", 1, 182,
+                        STALE_AFTER_S + 10) is None  # an epoch that keeps it
+    assert stale_reason(SimpleNamespace(epoch=1, start_iteration=400, members=("d",)), "a", 1, 182,
+                        STALE_AFTER_S + 10) is None  # not newer than its own
+
+
+async def test_a_member_left_out_of_an_epoch_answers_a_fresh_challenge_before_it_returns(identities):
+    """A frozen node whose advert lapsed is left out; its old admission must not carry it into the
+    next epoch while it still cannot answer."""
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = _view(identities, 0, {0: (0,), 1: (1,), 2: (1,)})
+    answers = {p: {"peer_id": p, "config_digest": DIGEST} for p in ids[:3]}
+    a = _admission(ids[0], answers)
+    await a.round(view.online(), ())
+    await a.round([], (ids[0], ids[1], ids[2]))
+    answers[ids[2]] = TimeoutError("frozen")
+    assert not await a.round(view.online(), (ids[0], ids[1]))  # the epoch without it: asked again, no answer
+    assert ids[2] not in a.admitted
+    c = _coordinator(identities[0], view, a, [])
+    c.current = SimpleNamespace(members=(ids[0], ids[1]), epoch=2, start_iteration=10, coordinator=ids[0])
+    assert set(c.target_membership()[1]) == {ids[0], ids[1]}

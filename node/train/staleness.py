@@ -1,0 +1,79 @@
+"""A trainer that fell out of step with its swarm leaves its run, to re-join with verified state.
+
+A node frozen for a while (a suspended process, a machine that slept, a long stall of its host) wakes
+up in the middle of an iteration the swarm finished long ago: nobody sends it that iteration's
+microbatches any more, and it would wait for them until the iteration timeout. Meanwhile the other
+members found it silent (:mod:`node.swarm.admission`) and issued an epoch without it; while it still
+trains its old iteration it is refused as a stale candidate. So, once the host has adopted an epoch
+that leaves this node out and starts well past where this trainer is, and the trainer has committed
+nothing for :data:`STALE_AFTER_S`, it leaves (``trainer.left``): the training service then waits for
+an epoch that admits it again and joins it like any joiner, taking its stage's state from the
+replicas and checking it against them before it trains (``StageState.join``).
+
+An in-step member never meets all three conditions: it commits every iteration, and an epoch that
+drops it starts within a couple of iterations of where it is (it trains up to that boundary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Callable, Optional
+
+__all__ = ["STALE_AFTER_S", "run_unless_stale", "stale_reason"]
+
+#: Seconds without a commit before a trainer that an epoch left out counts as stale: the members'
+#: silence window (``node.swarm.admission.SILENT_AFTER_S``), after which they have dropped it anyway;
+#: far longer than an iteration of a trainer in step.
+STALE_AFTER_S = 30.0
+#: Seconds between two checks (a stale trainer leaves within about this much after it qualifies).
+POLL_S = 1.0
+#: How far past our next iteration an epoch leaving us out may start and still be one we train up to:
+#: a coordinator in step with us announces it two iterations ahead (``TrainerNode.switch_iteration``).
+SWITCH_AHEAD_ITERATIONS = 2
+
+
+def stale_reason(epoch, peer_id: str, trainer_epoch: int, current_iteration: int, idle_s: float) -> Optional[str]:
+    """Why a trainer at ``current_iteration`` of epoch ``trainer_epoch``, idle for ``idle_s`` seconds,
+    is out of step with the host's adopted ``epoch``; None when it is not."""
+    if epoch is None or int(epoch.epoch) <= trainer_epoch or peer_id in epoch.members:
+        return None
+    start = int(epoch.start_iteration)
+    if start <= current_iteration + SWITCH_AHEAD_ITERATIONS or idle_s < STALE_AFTER_S:
+        return None
+    return (f"out of step: still at iteration {current_iteration} after {idle_s:.0f} s without a commit, while "
+            f"schedule epoch {epoch.epoch} left this node out from iteration {start}; re-joining with fresh state")
+
+
+async def run_unless_stale(trainer, iterations: int, adopted: Callable[[], object], peer_id: str) -> None:
+    """``trainer.run(iterations)``, ended with ``trainer.left`` set once the trainer is stale."""
+    run = asyncio.ensure_future(trainer.run(iterations))
+    watch = asyncio.ensure_future(_wait_until_stale(trainer, adopted, peer_id))
+    try:
+        await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not run.done() and not watch.done():  # we were cancelled
+            run.cancel()
+        watch.cancel()
+    if run.done():
+        run.result()
+        return
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+    trainer.left = watch.result()
+    trainer.log.warning("leaves training: %s", trainer.left)
+
+
+async def _wait_until_stale(trainer, adopted: Callable[[], object], peer_id: str) -> str:
+    last, since = trainer.committed_iteration, time.monotonic()
+    while True:
+        await asyncio.sleep(POLL_S)
+        now = time.monotonic()
+        if trainer.committed_iteration != last:
+            last, since = trainer.committed_iteration, now
+            continue
+        why = stale_reason(adopted(), peer_id, int(trainer.epoch.epoch), int(trainer.current_iteration), now - since)
+        if why is not None:
+            return why

@@ -1,0 +1,104 @@
+"""Which links between nodes can exist at all, and what a relayed one costs.
+
+A node behind a home router accepts no inbound connection. Two nodes can still exchange activations when
+either can be dialled (the other dials it, and the answer flows back over that connection), or through a
+relay one of them holds a reservation on (every byte then crosses the relay's uplink twice and takes an
+extra hop). Two nodes that nobody can dial and that no relay carries cannot be connected at all: such a
+link must never be on a path, whatever the measured numbers say.
+
+Reachability values are :class:`protocol.messages.Reachability` strings, as adverts carry them. A node
+whose reachability is not known (``unknown``, an older peer) is treated as dialable, as before.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from protocol.messages import Reachability
+from scheduler.cost import CostMatrix
+from scheduler.errors import ScheduleError
+from scheduler.schedule import Schedule
+
+__all__ = ["LinkKind", "RelayParams", "link_kind", "apply_reachability", "impossible_hops", "check_reachable"]
+
+_DIALABLE = {Reachability.DIRECT.value, Reachability.UNKNOWN.value}
+
+
+class LinkKind(enum.Enum):
+    """How a connection between two nodes is made."""
+
+    DIRECT = "direct"
+    RELAYED = "relayed"
+    IMPOSSIBLE = "impossible"
+
+
+@dataclass(frozen=True)
+class RelayParams:
+    """What a relayed link costs when the link has not been measured through the relay.
+
+    relay_slowdown: a relayed transfer takes this times the direct estimate: the relay receives and sends
+        every byte on one uplink, so at best half of it is left for each direction.
+    relay_added_s: seconds added per relayed transfer: one more hop through a third machine's p2pd
+        (about one wide-area round trip).
+    impossible_link_s: the cost of a link that cannot be made. Large enough that a path search never
+        prefers it while any other route exists (an iteration takes seconds); the schedule is then checked
+        with :func:`check_reachable`, so it never carries such a link even if nothing else was possible.
+    """
+
+    relay_slowdown: float = 2.0
+    relay_added_s: float = 0.1
+    impossible_link_s: float = 1e6
+
+
+def link_kind(a: str, b: str) -> LinkKind:
+    """How nodes with reachability ``a`` and ``b`` connect (symmetric)."""
+    if a in _DIALABLE or b in _DIALABLE:
+        return LinkKind.DIRECT
+    if Reachability.RELAYED.value in (a, b):
+        return LinkKind.RELAYED
+    return LinkKind.IMPOSSIBLE
+
+
+def apply_reachability(cost: CostMatrix, reachability: Sequence[str], params: RelayParams = RelayParams()
+                       ) -> CostMatrix:
+    """``cost`` with relayed links slowed down and impossible links priced out (node i has ``reachability[i]``)."""
+    n = cost.n_nodes
+    if len(reachability) != n:
+        raise ScheduleError("cost", f"{len(reachability)} reachability values for {n} nodes")
+    rows = []
+    for u in range(n):
+        row = list(cost.link_s[u])
+        for v in range(n):
+            if u == v:
+                continue
+            kind = link_kind(reachability[u], reachability[v])
+            if kind is LinkKind.RELAYED:
+                row[v] = row[v] * params.relay_slowdown + params.relay_added_s
+            elif kind is LinkKind.IMPOSSIBLE:
+                row[v] = params.impossible_link_s
+        rows.append(tuple(row))
+    return CostMatrix(cost.compute_s, tuple(rows), cost.backward_ratio, cost.loss_ratio)
+
+
+def _hops(route: Sequence[int]) -> list[tuple[int, int]]:
+    """Every pair of nodes that exchange data on ``route``: each hop, and the last node back to the data node."""
+    pairs = list(zip(route, route[1:]))
+    if len(route) > 1:
+        pairs.append((route[-1], route[0]))
+    return pairs
+
+
+def impossible_hops(schedule: Schedule, reachability: Sequence[str]) -> list[tuple[int, int]]:
+    """The hops of ``schedule`` between two nodes that cannot be connected (sorted, without repeats)."""
+    bad = {(u, v) for p in schedule.paths for u, v in _hops(p.route)
+           if link_kind(reachability[u], reachability[v]) is LinkKind.IMPOSSIBLE}
+    return sorted(bad)
+
+
+def check_reachable(schedule: Schedule, reachability: Sequence[str]) -> None:
+    """Raise :class:`ScheduleError` if a path needs a connection that cannot exist."""
+    bad = impossible_hops(schedule, reachability)
+    if bad:
+        raise ScheduleError("reachability", f"hops {bad[:5]} join nodes nobody can dial and no relay carries")

@@ -1,0 +1,55 @@
+"""The coordinator schedules by reachability: two nodes nobody can dial are never adjacent on a path.
+
+A real epoch from :class:`node.swarm.coordinator.Coordinator` over a view whose adverts say which nodes are
+behind NAT (``StageAdvert.reachability``); pure, no daemons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import node.compat  # noqa: F401
+from node.swarm.adverts import FetchedAdvert
+from node.swarm.coordinator import RunConfig
+from node.swarm.view import SwarmView
+from scheduler.reachability import impossible_hops
+from tests.node.test_schedule_policy import STAGES, _advert, _coordinator, _routes, identities  # noqa: F401
+
+OUT = "outbound_only"
+
+
+def _view(identities, reach: dict[int, str]) -> SwarmView:
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = SwarmView(run_id="r", self_id=ids[0])
+    view.update_from_dht({
+        p: FetchedAdvert(dataclasses.replace(_advert(p, STAGES[k]), reachability=reach.get(k, "direct")),
+                         identities[k].public_key_bytes, time.time() + 60)
+        for k, p in enumerate(ids)
+    })  # fmt: skip
+    view.changed_at -= 10
+    return view
+
+
+async def test_two_outbound_only_nodes_are_never_adjacent(identities):
+    # a replica of stage 1 and one of stage 2 behind NAT with no relay; every path visits stages 0, 1, 2
+    natted = {3: OUT, 5: OUT}
+    published = []
+    await _coordinator(identities[0], _view(identities, natted), RunConfig(3, 3, 4, "skippipe"), published).tick()
+    assert len(published) == 1, "an epoch should be issued: the NATed nodes can still talk to the public ones"
+    sched, _ = _routes(published[0])
+    members = published[0].members
+    peer_ids = [i.peer_id.to_base58() for i in identities]
+    reach = [natted.get(peer_ids.index(m), "direct") for m in members]
+    assert impossible_hops(sched, reach) == [], sched.paths
+    used = {v for p in sched.paths for v in p.route}
+    assert {members.index(peer_ids[3]), members.index(peer_ids[5])} <= used  # both still get work
+
+
+async def test_no_epoch_when_every_path_would_need_an_impossible_link(identities):
+    # every node of stages 1 and 2 unreachable: each path has a stage-1 -> stage-2 hop that cannot exist
+    published = []
+    coordinator = _coordinator(identities[0], _view(identities, {3: OUT, 4: OUT, 5: OUT, 6: OUT}),
+                               RunConfig(3, 3, 4, "skippipe"), published)
+    await coordinator.tick()
+    assert published == [] and "reachability" in coordinator.status, coordinator.status
