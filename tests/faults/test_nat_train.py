@@ -43,8 +43,6 @@ def _rpc_in_namespace(swarm, method, params=None):
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"NAT lab unavailable: {WHY_NOT}")
-@pytest.mark.skip(reason="unfinished: in the NAT lab the members' liveness probes fail (ConnectionError) and they "
-                         "leave each other out before the first epoch; dial-back itself works (outbound_only)")
 def test_two_natted_volunteers_train(tmp_path):
     lab = NatLab(LAB, public=4, homes=(Home(1, NatKind.PLAIN), Home(1, NatKind.STRICT)), subnet=94,
                  rate_mbit=RATE_MBIT)
