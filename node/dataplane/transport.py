@@ -58,6 +58,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
@@ -187,6 +188,7 @@ class DataPlane:
         self._on_message = on_message
         self._out: Dict[str, _Outgoing] = {}
         self._handler_tasks: set = set()
+        self._closed_streams: "weakref.WeakSet[asyncio.Task]" = weakref.WeakSet()  # handlers close() ended
         self._started = False
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -379,6 +381,8 @@ class DataPlane:
                     continue
                 await self._deliver_guarded(msg, sender)
         except asyncio.CancelledError:
+            if task in self._closed_streams:  # ended by close(): a handler that ends cancelled makes asyncio's
+                return  # stream callback log a CancelledError traceback, so it ends quietly instead
             raise
         except Exception:
             logger.exception("data-plane stream from %s failed", sender[-8:])
@@ -477,6 +481,7 @@ class DataPlane:
         # a sender keeps its stream to us open: without this its frames would go on reaching this closed
         # plane (and its guard's old iteration) after a new trainer of the same daemon opened its own
         for task in list(self._handler_tasks):
+            self._closed_streams.add(task)
             task.cancel()
         for out in self._out.values():
             if out.writer is not None:
