@@ -49,7 +49,7 @@ def _install() -> None:
         elif mode == "zeros":
             from node.dataplane.state_codec import encode_state, weights_digest
 
-            full = self.node.runtime.state_dict()
+            full = self.resources.runtime.state_dict()
             zeros = {**full, "model": {k: torch.zeros_like(v) for k, v in full["model"].items()}}
             snap.payload = encode_state(zeros, {"stage": snap.stage, "iteration": snap.iteration})
             snap.digest = weights_digest(zeros["model"])
@@ -62,9 +62,9 @@ def _install() -> None:
         if _mode() != "zeros":
             return await honest_sketch(self, stage, min_iteration, nonce)
         await self._wait_for(stage, min_iteration)
-        model = self.node.runtime.module.state_dict()
+        model = self.resources.runtime.module.state_dict()
         it, lie = self.state_iteration, weights_sketch({k: torch.zeros_like(v) for k, v in model.items()}, nonce)
-        await write_state_claim(self.node.dht, self.cfg.run_id, self.node.peer_id, nonce,
+        await write_state_claim(self.dht, self.cfg.run_id, self.peer_id, nonce,
                                 StateClaimRecord(stage, it, tuple(lie)))  # the same lie, signed
         return it, lie
 
