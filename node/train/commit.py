@@ -46,11 +46,12 @@ logger = logging.getLogger(__name__)
 
 
 def majority_replicas(replicas: Mapping[str, Tuple[int, float]], stage: int, tolerance: float) -> List[str]:
-    """The group of ``stage``'s replicas (peer -> (stage, checksum)) whose checksums agree within
-    ``tolerance`` and that outnumbers every other group, sorted; empty when two groups are equally
-    large (two replicas that disagree): nobody can tell the honest one from a liar, so nobody copies
-    anybody (a peer id that sorts first is no evidence). Only replicas with finite parameters count
-    (a NaN one would spread)."""
+    """The largest group of ``stage``'s replicas (peer -> (stage, checksum)) whose checksums agree within
+    ``tolerance``, sorted; equally large groups (two replicas that disagree) go to the group holding the
+    lowest peer id. That tie-break is no evidence of honesty, but two honest replicas that diverged (a
+    failed all-reduce, a view flap) must converge again, and refusing to copy leaves them apart for good;
+    a liar among two replicas is an open gap (docs/operations.md). Only replicas with finite parameters
+    count (a NaN one would spread)."""
     ours = sorted(p for p, (s, checksum) in replicas.items() if s == stage and math.isfinite(checksum))
     groups: List[List[str]] = []
     for p in ours:  # each group is anchored at its lowest peer id's checksum
@@ -59,10 +60,7 @@ def majority_replicas(replicas: Mapping[str, Tuple[int, float]], stage: int, tol
             groups.append([p])
         else:
             anchor.append(p)
-    groups.sort(key=lambda g: (-len(g), g[0]))
-    if not groups or (len(groups) > 1 and len(groups[1]) == len(groups[0])):
-        return []
-    return groups[0]
+    return min(groups, key=lambda g: (-len(g), g[0])) if groups else []
 
 
 def _close(theirs: float, mine: float, tolerance: float) -> bool:
@@ -73,8 +71,7 @@ def resync_source(replicas: Mapping[str, Tuple[int, float]], mine: float, stage:
                   tolerance: float) -> Optional[str]:
     """The replica to copy from when ours diverged (a failed all-reduce, a bad member): the lowest peer
     id of the stage's majority (:func:`majority_replicas`), not merely the lowest peer id, so one
-    diverged replica cannot drag the others to its weights; None when we agree with the majority or
-    there is none (each replica then keeps its own weights)."""
+    diverged replica cannot drag the others to its weights; None when we agree with the majority."""
     group = majority_replicas(replicas, stage, tolerance)
     if not group or me in group or _close(replicas[group[0]][1], mine, tolerance):
         return None

@@ -34,12 +34,12 @@ def test_resync_copies_a_finite_majority_only():
     assert _node("a")._resync_source(dict(records, a={"stage": 1, "checksum": math.nan}), math.nan) == "b"
 
 
-def test_two_replicas_that_disagree_copy_nobody():
-    """One honest replica, one liar whose peer id sorts first: with no majority neither copies the
-    other (the honest one used to take the liar's weights because its id was lower)."""
+def test_two_replicas_that_disagree_converge_on_the_lowest_peer_id():
+    """Two replicas that diverged (a failed all-reduce, a view flap) must converge again: with no majority
+    the one whose id sorts later copies the other (a liar among two replicas is an open gap)."""
     records = {"a": {"stage": 1, "checksum": 99.0}, "b": {"stage": 1, "checksum": 10.0},
                "d": {"stage": 0, "checksum": 1.0}}
-    assert _node("b")._resync_source(records, 10.0) is None
+    assert _node("b")._resync_source(records, 10.0) == "a"
     assert _node("a")._resync_source(records, 99.0) is None
 
 
