@@ -185,14 +185,15 @@ def _expand(counts: Mapping[int, int], data_nodes: Sequence[int], slots, slot_ro
 class _Problem:
     """Precomputed arrays shared by construction and search."""
 
-    def __init__(self, stages, cost: CostMatrix, path_length: int, memory: int, limits: RouteLimits, max_sequences: int):
+    def __init__(self, stages, cost: CostMatrix, path_length: int, memory: int, limits: RouteLimits, max_sequences: int,
+                 link_busy_s: Sequence[Sequence[float]] | None = None):
         self.stages = stages
         self.cost = cost
         self.L = path_length
         self.memory = memory
         self.limits = limits
-        #: seconds one transfer occupies each link (set by the search: transfers queue on shared links)
-        self.link_busy_s = None
+        #: seconds one transfer occupies each link (None: links unshared); the search simulates with it
+        self.link_busy_s = link_busy_s
         self.S = len(stages)
         self.stage_of = {v: s for s, nodes in enumerate(stages) for v in nodes}
         self.seqs = allowed_sequences(self.S, path_length, limits, max_sequences)
@@ -534,8 +535,7 @@ def search_paths(
     """:func:`schedule_paths_report`, also returning the collision-blind schedule."""
     t0 = time.perf_counter()
     st, counts = normalise_request(stages, cost, path_length, microbatches_per_data_node, memory)
-    pb = _Problem(st, cost, path_length, memory, limits, max_sequences)
-    pb.link_busy_s = link_busy_s
+    pb = _Problem(st, cost, path_length, memory, limits, max_sequences, link_busy_s)
     blind = collision_blind_routes(pb, counts, blind_orders)
     candidates: list[Routes] = [blind] if blind is not None else []
     if collision_aware:
