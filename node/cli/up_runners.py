@@ -124,7 +124,8 @@ def _parse_replicas(text: str, n_stages: int) -> List[int]:
 class _Progress:
     """One status line per iteration (rewritten in place on a terminal)."""
 
-    def __init__(self, total: int, stream=sys.stderr, quiet: bool = False):
+    def __init__(self, total: int, stream=None, quiet: bool = False):
+        stream = sys.stderr if stream is None else stream  # looked up now: an import-time default can be closed
         self.total, self.stream, self.quiet = total, stream, quiet
         self.tty = stream.isatty()
 

@@ -27,9 +27,15 @@ class DeathWatch:
     is news, not the end, while every stage still has a live replica (the coordinator issues an
     epoch without the dead node and training goes on)."""
 
-    def __init__(self, swarm, stream=sys.stderr):
-        self.swarm, self.stream = swarm, stream
+    def __init__(self, swarm, stream=None):
+        self.swarm, self._stream = swarm, stream
         self.dead: Dict[int, str] = {}
+
+    @property
+    def stream(self):
+        """The given stream, or the process's stderr *now* (a default bound at import time outlives a
+        replaced stderr, e.g. pytest's per-test capture, and printing to it raises)."""
+        return self._stream if self._stream is not None else sys.stderr
 
     def check(self) -> List[int]:
         """Report nodes that died since the last call; returns the stages left without a live replica."""
@@ -61,7 +67,7 @@ class TrainingWatch:
     stall_timeout_s: float
     logs: str  # where the user finds the daemons' logs (named in the errors)
     on_iteration: Callable[[dict], None] = lambda h: None
-    stream: object = sys.stderr
+    stream: object = None  # None: the process's stderr at the time of printing
     history: List[dict] = field(default_factory=list)
     states: Dict[int, dict] = field(default_factory=dict)
     first: Optional[int] = None  # the iteration the run started (or resumed) at
