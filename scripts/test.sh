@@ -27,7 +27,7 @@ if ! command -v iptables >/dev/null 2>&1; then
         echo "[test setup] no iptables and no root/apt-get: the NAT tests will be skipped"
     fi
 fi
-.venv/bin/python -m pytest -q -ra "$@"
+.venv/bin/python -m pytest -q -ra --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then   # pytest: no tests collected -- not a failure of the code under test
     echo "no tests were collected"
