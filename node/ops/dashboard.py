@@ -84,8 +84,10 @@ function drawGrid(swarm, numStages) {
     const td = el("td");
     for (const p of swarm.peers.filter(p => p.stages.includes(s))) {
       const cls = "node " + p.state + (p.peer_id === swarm.self ? " self" : "");
-      const span = el("span", {class: cls, title: p.peer_id + " (" + p.state + ", seen " + p.age_s + " s ago)",
-                               "data-peer": p.peer_id, "data-state": p.state}, short(p.peer_id) + " " + p.state);
+      const reach = p.reachability || "unknown";  // direct / relayed / outbound-only: who can dial it
+      const span = el("span", {class: cls, title: p.peer_id + " (" + p.state + ", " + reach + ", seen " + p.age_s + " s ago)",
+                               "data-peer": p.peer_id, "data-state": p.state, "data-reachability": reach},
+                      short(p.peer_id) + " " + p.state + " \u00b7 " + reach);
       td.appendChild(span);
     }
     tr.appendChild(td);

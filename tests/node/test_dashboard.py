@@ -127,7 +127,8 @@ def page(browser_path, tmp_path_factory):
         proc.wait(timeout=30)
 
 
-GRID_JS = "[...document.querySelectorAll('#grid [data-peer]')].map(e => [e.dataset.peer, e.dataset.state])"
+GRID_JS = ("[...document.querySelectorAll('#grid [data-peer]')]"
+           ".map(e => [e.dataset.peer, e.dataset.state, e.dataset.reachability])")
 STATE_JS = (
     "JSON.stringify({grid: " + GRID_JS + ", paths: document.querySelectorAll('#paths polyline.path').length,"
     " refreshes: Number(document.body.dataset.refreshes || 0), epoch: document.getElementById('epoch').textContent})"
@@ -156,10 +157,17 @@ def test_dashboard_shows_swarm_and_follows_a_kill(swarm, page):
 
     def all_online_with_paths():
         state = _page_state(page)
-        online = {peer for peer, st in state.get("grid", []) if st == "ONLINE"}
+        online = {peer for peer, st, _ in state.get("grid", []) if st == "ONLINE"}
         return online == ids and state["paths"] > 0 and state
 
     before = poll(all_online_with_paths, what="the page lists every node ONLINE and draws the paths")
+
+    def reachability_as_advertised():  # each node's reachability as the adverts say it (the page polls them)
+        advertised = {p["peer_id"]: p["reachability"] for p in rpc(swarm.nodes[0].rpc_url, "swarm")["peers"]}
+        shown = {peer: reach for peer, _, reach in _page_state(page).get("grid", [])}
+        return shown == advertised and None not in shown.values()
+
+    poll(reachability_as_advertised, what="the page shows each node's reachability")
     ARTIFACTS.mkdir(exist_ok=True)
 
     async def screenshot(call):
@@ -172,7 +180,7 @@ def test_dashboard_shows_swarm_and_follows_a_kill(swarm, page):
 
     def victim_gone():
         state = _page_state(page)
-        shown = {peer for peer, st in state.get("grid", []) if st != "OFFLINE"}
+        shown = {peer for peer, st, _ in state.get("grid", []) if st != "OFFLINE"}
         return victim.peer_id not in shown and shown == ids - {victim.peer_id} and state
 
     after = poll(victim_gone, deadline_s=DEADLINE_S, what="the open page drops the killed node")
