@@ -104,13 +104,14 @@ class TrainSpec:
     auto: bool = False
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainSpec":
-        """The spec of a parsed command line: the flags it has, the defaults for those it lacks (``up``,
-        ``eval`` and tests parse fewer flags than ``node run``)."""
+    def from_args(cls, args: argparse.Namespace, base: Optional["TrainSpec"] = None) -> "TrainSpec":
+        """The spec of a parsed command line: the flags it has, ``base``'s values (the defaults without one)
+        for those it lacks (``up``, ``eval`` and tests parse fewer flags than ``node run``)."""
+        base = base if base is not None else cls()
         given = vars(args)
-        spec = cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
+        spec = dataclasses.replace(base, **{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
         # an explicit None (a flag without a default) stands for the default, as on the command line
-        return dataclasses.replace(spec, model=spec.model or cls.model, text_field=spec.text_field or cls.text_field)
+        return dataclasses.replace(spec, model=spec.model or base.model, text_field=spec.text_field or base.text_field)
 
     def to_argv(self, always: Iterable[str] = ()) -> List[str]:
         """``node run`` flags for every field that differs from its default (and the fields in ``always``,

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -26,6 +26,7 @@ from node.errors import UserError
 from node.net.rpc import call_http
 from node.launch.procs import process_group_members
 from node.net.lifetime import PARENT_PID_ENV
+from node.spec import TrainSpec
 
 __all__ = ["ProcessNode", "ProcessSwarm", "stage_layout", "process_group_members", "training_state"]
 
@@ -111,8 +112,10 @@ class ProcessNode:
 class ProcessSwarm:
     """N daemons on loopback; node 0 founds the swarm, the rest join through it.
 
-    ``extra_args`` is appended to every ``skippipe node run`` (a list, or a function of the node
-    index), e.g. the trainer's ``--train ...`` flags.
+    Every daemon runs with the run's flags (``spec.to_argv()``, the stage count from ``stage_sizes``) after
+    its own (stage, addresses, identity, ports, ready file, peers); without a ``spec`` the run is
+    ``run_id``, ``heartbeat_s`` and ``path_length``. ``extra_args`` is appended to every ``skippipe node
+    run`` (a list, or a function of the node index), e.g. a node's name.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class ProcessSwarm:
         run_id: str = "local",
         heartbeat_s: float = 1.0,
         path_length: int | None = None,
+        spec: TrainSpec | None = None,
         extra_args: Sequence[str] | Callable[[int], Sequence[str]] = (),
         python: str = sys.executable,
         env: dict | None = None,
@@ -137,9 +141,8 @@ class ProcessSwarm:
             raise UserError(f"--stage-sizes {sizes} add up to {len(layout)} nodes, not --nodes {n_nodes}")
         self.stage_sizes = sizes
         self.base_dir = Path(base_dir)
-        self.run_id = run_id
-        self.heartbeat_s = heartbeat_s
-        self.path_length = path_length
+        run = spec if spec is not None else TrainSpec(run_id=run_id, heartbeat=float(heartbeat_s), path_length=path_length)
+        self.spec = replace(run, num_stages=len(sizes))
         self.python = python
         self.env = dict(os.environ if env is None else env)
         self._extra = extra_args
@@ -151,21 +154,29 @@ class ProcessSwarm:
     def command(self, node: ProcessNode, initial_peers: Sequence[str] = ()) -> list[str]:
         args = [
             self.python, "-m", "node", "node", "run",
-            "--run-id", self.run_id,
             *(["--auto"] if node.auto else ["--stages", str(node.stage)]),
-            "--num-stages", str(len(self.stage_sizes)),
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--identity", str(node.identity_path),
             "--rpc-port", "0",
-            "--heartbeat", str(self.heartbeat_s),
             "--ready-file", str(node.ready_file),
+            *self.spec.to_argv(),
         ]  # fmt: skip
-        if self.path_length is not None:
-            args += ["--path-length", str(self.path_length)]
         if initial_peers:
             args += ["--initial-peers", *initial_peers]
         extra = self._extra(node.index) if callable(self._extra) else self._extra
         return args + list(extra)
+
+    @property
+    def run_id(self) -> str:
+        return self.spec.run_id
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.spec.heartbeat
+
+    @property
+    def path_length(self) -> int | None:
+        return self.spec.path_length
 
     @property
     def bootstrap_maddr(self) -> str:
