@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Tuple
 
 __all__ = ["TrainSpec", "DEFAULT_TRAIN_ITERATIONS", "DEFAULT_MICROBATCH_SIZE", "DEFAULT_MICROBATCHES",
            "DEFAULT_HEARTBEAT_S", "DEFAULT_RUN_ID", "DEFAULT_MEMORY_SLOTS", "DEFAULT_ITERATION_TIMEOUT_S",
-           "DEFAULT_AGREEMENT_TIMEOUT_S", "JOIN_FIELDS"]
+           "DEFAULT_AGREEMENT_TIMEOUT_S", "JOIN_FIELDS", "flag_of"]
 
 #: iterations a run trains when ``--iterations`` is not given (a short demonstration run)
 DEFAULT_TRAIN_ITERATIONS = 100
@@ -46,6 +46,11 @@ DEFAULT_AGREEMENT_TIMEOUT_S = 600.0
 JOIN_FIELDS = ("train", "model", "model_config", "corpus", "text_field", "tokenizer", "iterations", "lr", "seed",
                "microbatch_size", "seq_len", "precision", "wire", "min_members", "checkpoint_dir",
                "checkpoint_every")
+
+
+def flag_of(field_name: str) -> str:
+    """The ``node run`` flag of a :class:`TrainSpec` field: ``min_members`` -> ``--min-members``."""
+    return "--" + field_name.replace("_", "-")
 
 
 def _flag_value(value) -> str:
@@ -123,7 +128,7 @@ class TrainSpec:
             value = getattr(self, f.name)
             if value is None or (value == f.default and f.name not in always):
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flag = flag_of(f.name)
             if isinstance(value, bool):
                 argv += [flag] if value else []
                 continue
