@@ -136,9 +136,7 @@ class TrainerService:
         daemon.register_rpc("training", self._rpc_training)
         daemon.training_progress = self.switch_iteration
         daemon.training_iteration = self.committed_iteration
-        coordinator = getattr(daemon, "coordinator", None)
-        if coordinator is not None and hasattr(coordinator, "blocker"):
-            coordinator.blocker = self.coordination_blocker
+        daemon.coordination_blocker = self.coordination_blocker
         daemon.on_schedule_epoch.append(self._offer_epoch)
         self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
 
