@@ -122,10 +122,10 @@ class TrainSpec:
         """``node run`` flags for every field that differs from its default (and the fields in ``always``,
         which are written even at their default), in field order; a value that starts with ``-`` is written
         as ``--flag=value`` so that it is not read as a flag."""
-        always = set(always)
+        always, values = set(always), vars(self)
         argv: List[str] = []
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+            value = values[f.name]
             if value is None or (value == f.default and f.name not in always):
                 continue
             flag = flag_of(f.name)
@@ -143,7 +143,7 @@ class TrainSpec:
         founder's resolved one (a joiner's GPU may differ), never ``auto``."""
         if not self.train:
             return []
-        shared = dataclasses.replace(TrainSpec(), **{name: getattr(self, name) for name in JOIN_FIELDS})
+        shared = dataclasses.replace(TrainSpec(), **{name: vars(self)[name] for name in JOIN_FIELDS})
         always = ["corpus", "iterations", "seed", "microbatch_size"]
         always += ["model"] if self.model_config is None else []
         always += ["checkpoint_every"] if self.checkpoint_dir is not None else []

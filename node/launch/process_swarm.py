@@ -35,6 +35,11 @@ DEFAULT_START_TIMEOUT_S = 90.0
 #: Seconds between SIGTERM and SIGKILL of a node's process group.
 DEFAULT_STOP_GRACE_S = 15.0
 _POLL_S = 0.1
+#: Run id of a local swarm started without a spec or a run id.
+LOCAL_RUN_ID = "local"
+#: Heartbeat of a local swarm started without a spec or a heartbeat: on loopback a second is plenty and
+#: deaths are noticed within a few seconds.
+LOCAL_HEARTBEAT_S = 1.0
 
 
 def stage_layout(stage_sizes: Sequence[int]) -> list[int]:
@@ -124,8 +129,8 @@ class ProcessSwarm:
         stage_sizes: Sequence[int] | None = None,
         *,
         base_dir: Path,
-        run_id: str = "local",
-        heartbeat_s: float = 1.0,
+        run_id: str | None = None,
+        heartbeat_s: float | None = None,
         path_length: int | None = None,
         spec: TrainSpec | None = None,
         extra_args: Sequence[str] | Callable[[int], Sequence[str]] = (),
@@ -141,7 +146,11 @@ class ProcessSwarm:
             raise UserError(f"--stage-sizes {sizes} add up to {len(layout)} nodes, not --nodes {n_nodes}")
         self.stage_sizes = sizes
         self.base_dir = Path(base_dir)
-        run = spec if spec is not None else TrainSpec(run_id=run_id, heartbeat=float(heartbeat_s), path_length=path_length)
+        if spec is not None and (run_id, heartbeat_s, path_length) != (None, None, None):
+            raise ValueError("give the run's id, heartbeat and path length in spec or as keywords, not both")
+        run = spec if spec is not None else TrainSpec(
+            run_id=LOCAL_RUN_ID if run_id is None else run_id, path_length=path_length,
+            heartbeat=LOCAL_HEARTBEAT_S if heartbeat_s is None else float(heartbeat_s))
         self.spec = replace(run, num_stages=len(sizes))
         self.python = python
         self.env = dict(os.environ if env is None else env)
