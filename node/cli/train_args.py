@@ -19,7 +19,7 @@ from node.spec import DEFAULT_TRAIN_ITERATIONS, TrainSpec
 from node.train.precision import PRECISIONS
 from protocol.compression import WIRE_TABLE
 
-__all__ = ["add_training_arguments", "add_model_data_arguments", "model_and_data_from_args", "model_and_data_from_spec",
+__all__ = ["add_training_arguments", "add_model_data_arguments", "add_precision_wire_arguments", "model_and_data_from_args", "model_and_data_from_spec",
            "training_services_from_args", "DEFAULT_TRAIN_ITERATIONS", "MODEL_SIZE_NAMES", "default_tokenizer"]
 
 MODEL_SIZE_NAMES = ("tiny", "small", "500m")
@@ -95,6 +95,17 @@ def model_and_data_from_spec(run: TrainSpec, resolve_tokenizer: bool = True):
     return mcfg, replace(data, seq_len=seq_len)
 
 
+def add_precision_wire_arguments(g, defaults: TrainSpec = TrainSpec()) -> None:
+    """``--precision`` and ``--wire`` of ``node run --train`` and ``up``: choices from the precision and codec
+    tables, defaults from ``defaults``."""
+    g.add_argument("--precision", default=defaults.precision, choices=["auto", *PRECISIONS],
+                   help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
+                        "it, else fp32. All members of a run must use the same")
+    g.add_argument("--wire", default=defaults.wire, choices=list(WIRE_TABLE),
+                   help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
+                        "the replicas' averaging uses the matching hivemind compression. All members must agree")
+
+
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (with --train)")
     g.add_argument("--train", action="store_true", help="run a trainer for this node's stage inside the daemon")
@@ -110,12 +121,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int_range(0, 2**32 - 1), default=TrainSpec.seed, help="model initialisation and data order seed")
     g.add_argument("--microbatch-size", type=int_range(1, 65536), default=TrainSpec.microbatch_size, help="sequences per microbatch")
     g.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
-    g.add_argument("--precision", default=TrainSpec.precision, choices=["auto", *PRECISIONS],
-                   help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
-                        "it, else fp32. All members of a run must use the same")
-    g.add_argument("--wire", default=TrainSpec.wire, choices=list(WIRE_TABLE),
-                   help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
-                        "the replicas' averaging uses the matching hivemind compression. All members must agree")
+    add_precision_wire_arguments(g)
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
     g.add_argument("--threads", type=int_range(1, MAX_THREADS), default=None, help="torch threads of this process")
     g.add_argument("--iteration-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=TrainSpec.iteration_timeout,

@@ -14,8 +14,7 @@ import signal
 
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
 from node.spec import TrainSpec
-from node.train.precision import DEVICES, PRECISIONS
-from protocol.compression import WIRE_TABLE
+from node.train.precision import DEVICES
 from node.cli.validate import MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range
 from node.cli.up_runners import (DEFAULT_DATA_NODES, DEFAULT_REPLICAS, UP_SPEC, UpOptions, _compute_config, run_up,
                                  run_up_swarm)
@@ -68,17 +67,14 @@ def register(subparsers) -> None:
                     "model on Shakespeare with stage skipping, write a loss curve and a summary, stop cleanly.")
     p.add_argument("--iterations", type=int_range(1, 10**9), default=UP_SPEC.iterations, help="total iterations (default %(default)s)")
     p.add_argument("--out", default="skippipe-up", help="output folder (default ./%(default)s)")
-    from node.cli.train_args import add_model_data_arguments
+    from node.cli.train_args import add_model_data_arguments, add_precision_wire_arguments
 
     add_model_data_arguments(p)  # --model, --model-config, --corpus, --text-field, --tokenizer: as node run
     p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), default=UP_SPEC.num_stages,
                    help="pipeline stages (default: the model's, 6 for the named sizes); as node run --num-stages")
     p.add_argument("--device", default=UP_SPEC.device, choices=list(DEVICES),
                    help="torch device of every node (auto: cuda when available; default cpu)")
-    p.add_argument("--precision", default=UP_SPEC.precision, choices=["auto", *PRECISIONS],
-                   help="compute precision (auto: bf16 on a GPU that supports it, else fp32)")
-    p.add_argument("--wire", default=UP_SPEC.wire, choices=list(WIRE_TABLE),
-                   help="wire format of activations and gradients (default fp32)")
+    add_precision_wire_arguments(p, UP_SPEC)
     p.add_argument("--data-nodes", type=int_range(1, 64), default=DEFAULT_DATA_NODES)
     p.add_argument("--replicas", default=DEFAULT_REPLICAS,
                    help="replicas of stages 1..S-1, comma-separated or one number (default %(default)s)")
@@ -86,7 +82,8 @@ def register(subparsers) -> None:
                    help="stages per microbatch incl. stage 0 (default %(default)s; = stages for no skipping)")
     p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=UP_SPEC.microbatches, help="per data node per iteration")
     p.add_argument("--microbatch-size", type=int_range(1, 65536), default=UP_SPEC.microbatch_size, help="sequences per microbatch")
-    p.add_argument("--memory", dest="memory_slots", type=int_range(1, MAX_MEMORY_SLOTS), default=UP_SPEC.memory_slots,
+    p.add_argument("--memory", dest="memory_slots", metavar="MEMORY", type=int_range(1, MAX_MEMORY_SLOTS),
+                   default=UP_SPEC.memory_slots,
                    help="in-flight microbatches per node (node run's --memory-slots)")
     p.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=UP_SPEC.lr)
     p.add_argument("--seed", type=int_range(0, 2**32 - 1), default=UP_SPEC.seed)
