@@ -18,12 +18,14 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import fields, replace
 
 import jsonschema
 import pytest
 import yaml
 
 from node.cli import build_parser
+from node.spec import TrainSpec, flag_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -104,6 +106,25 @@ def test_compose_commands_parse_with_the_cli(service):
     assert args.identity == pathlib.Path("/data/identity.key")
     if role == "bootstrap":
         assert args.stages == (0,)
+
+
+#: A compose service's own flags (its container's addresses, identity and RPC port); every other flag is the run's.
+SERVICE_OWN_FLAGS = {"--host-maddrs", "--announce-maddrs", "--gossip-port", "--identity", "--rpc-port"}
+#: The run docker/compose.yaml trains: the tiny model on Shakespeare, 200 iterations once bootstrap + 6 nodes are in.
+COMPOSE_RUN = TrainSpec(train=True, iterations=200, min_members=7, checkpoint_dir=pathlib.Path("/data/checkpoints"),
+                        run_id="compose")
+#: The bootstrap founds the run (stage 0 of 6, paths of 4); the nodes take the stage with the fewest replicas.
+COMPOSE_SPECS = {"bootstrap": replace(COMPOSE_RUN, stages=(0,), num_stages=6, path_length=4),
+                 "node": replace(COMPOSE_RUN, auto=True)}
+
+
+@pytest.mark.parametrize("service", ["bootstrap", "node"])
+def test_compose_commands_are_the_run_spec(service):
+    command = _compose()["services"][service]["command"]
+    assert TrainSpec.from_args(build_parser().parse_args(["node", "run", *command])) == COMPOSE_SPECS[service]
+    flags = {arg.split("=")[0] for arg in command if arg.startswith("--")}
+    unknown = flags - {flag_of(f.name) for f in fields(TrainSpec)} - SERVICE_OWN_FLAGS
+    assert not unknown, f"flags the run spec does not know: {sorted(unknown)}"
 
 
 def _run_entrypoint(tmp_path, env: dict) -> list[str]:

@@ -7,13 +7,15 @@ import logging
 import os
 from pathlib import Path
 
-from node.swarm.config import DEFAULT_HEARTBEAT_S, DEFAULT_HOST_MADDRS, DEFAULT_MEMORY_SLOTS, DEFAULT_RUN_ID, DaemonConfig, default_identity_path
+from node.swarm.config import DEFAULT_HOST_MADDRS, DaemonConfig, default_identity_path
 from node.errors import UserError
+from node.spec import TrainSpec
 from node.train.precision import DEVICES
 from node.cli.validate import (MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range, maddr_list_item,
                                port)
 
-__all__ = ["register", "add_node_run_arguments", "config_from_args", "emulated_location_cost", "SCHEDULE_POLICIES"]
+__all__ = ["register", "add_node_run_arguments", "run_spec_from_args", "config_from_args", "emulated_location_cost",
+           "SCHEDULE_POLICIES"]
 
 #: Bound on ``microbatches x path length^2`` of a run (the coordinator's path search grows with it).
 MAX_RUN_SCHEDULE_WORK = 65536
@@ -49,7 +51,7 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--auto", action="store_true", help="join the stage with the fewest replicas (default)")
     p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), help="stages of the run (new swarm only; default max(--stages)+1, at least 2)")
     p.add_argument("--path-length", type=int_range(2, MAX_STAGES), help="stages each microbatch visits, stage 0 included (new swarm; default all)")
-    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=2, help="microbatches per data node per iteration (new swarm)")
+    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=TrainSpec.microbatches, help="microbatches per data node per iteration (new swarm)")
     p.add_argument("--schedule-policy", default="skippipe", metavar="POLICY",
                    help="how epochs route microbatches (new swarm): skippipe (default), full (aligned full "
                         "pipelines, no skipping) or random (network-blind skipping); baselines for benchmarks")
@@ -60,19 +62,19 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule-budget", type=float_range(0, 3600.0, lo_open=True), default=None, metavar="S",
                    help="safety cap in seconds on the coordinator's path search per epoch (default 15; the search "
                         "stops on a work budget first)")
-    p.add_argument("--memory-slots", type=int_range(1, MAX_MEMORY_SLOTS), default=DEFAULT_MEMORY_SLOTS, help="in-flight microbatches this node accepts")
+    p.add_argument("--memory-slots", type=int_range(1, MAX_MEMORY_SLOTS), default=TrainSpec.memory_slots, help="in-flight microbatches this node accepts")
     p.add_argument("--host-maddrs", nargs="+", type=maddr_list_item, default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
                    help="where p2pd listens (default %(default)s)")
     p.add_argument("--announce-maddrs", nargs="+", type=maddr_list_item, default=[], metavar="MADDR", help="public addresses to advertise")
     p.add_argument("--gossip-port", type=port(allow_zero=True), default=0, help="TCP port of the gossip host (default: ephemeral)")
     p.add_argument("--identity", type=Path, default=None,
                    help=f"RSA identity file, created on first use (default {default_identity_path()})")
-    p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="name of the training run (default %(default)s)")
-    p.add_argument("--device", choices=list(DEVICES), default="cpu",
+    p.add_argument("--run-id", default=TrainSpec.run_id, help="name of the training run (default %(default)s)")
+    p.add_argument("--device", choices=list(DEVICES), default=TrainSpec.device,
                    help="torch device of this node's stage (auto: cuda when available; default cpu)")
     p.add_argument("--location", default=None, help="free-form location label shown to peers")
     p.add_argument("--rpc-port", type=port(allow_zero=True, allow_off=True), default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
-    p.add_argument("--heartbeat", type=float_range(0.05, 3600.0), default=DEFAULT_HEARTBEAT_S,
+    p.add_argument("--heartbeat", type=float_range(0.05, 3600.0), default=TrainSpec.heartbeat,
                    help="seconds between advert re-announcements (default %(default)s)")
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE",
                    help="shared secret of a private swarm; peers without it cannot advertise, gossip or send data")
@@ -91,11 +93,13 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-access-handshake", action="store_true", help=argparse.SUPPRESS)
 
 
-def emulated_location_cost(args: argparse.Namespace) -> dict | None:
+def emulated_location_cost(args: argparse.Namespace, spec: TrainSpec | None = None) -> dict | None:
     """``RunConfig.location_cost`` for ``--schedule-cost emulation``: per location, the emulated
     forward seconds per microbatch and, per ordered pair of locations, latency + activation bytes /
     bandwidth + hop overhead, exactly as :mod:`node.dataplane.emulation` delays them (scaled profile, the
-    trainer's model and microbatch shape). None for ``measured``."""
+    trainer's model and microbatch shape, from ``spec``: read from ``args`` when not given). None for
+    ``measured``."""
+    spec = spec if spec is not None else TrainSpec.from_args(args)
     source = args.schedule_cost
     if source == "measured":
         return None
@@ -111,12 +115,12 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
     from scheduler.cost import GIB, ModelShape, activation_bytes, transfer_time_s
 
     profile = settings.load_profile()
-    model = args.model
+    model = spec.model
     mcfg = model_config(model)
-    seq_len = args.seq_len or (min(mcfg.context, 64) if model == "tiny" else mcfg.context)
+    seq_len = spec.seq_len or (min(mcfg.context, 64) if model == "tiny" else mcfg.context)
     shape = ModelShape(layers_per_stage=mcfg.layers_per_stage, d_model=mcfg.d_model, seq_len=seq_len,
-                       samples_per_microbatch=args.microbatch_size,
-                       bytes_per_element=wire_bytes_per_element(args.wire))  # --wire's real size
+                       samples_per_microbatch=spec.microbatch_size,
+                       bytes_per_element=wire_bytes_per_element(spec.wire))  # --wire's real size
     nbytes = activation_bytes(shape)
     locs = list(profile.locations)
 
@@ -129,10 +133,10 @@ def emulated_location_cost(args: argparse.Namespace) -> dict | None:
     return {"locations": locs, "compute_s": [forward] * len(locs), "link_s": [[link_s(a, b) for b in locs] for a in locs]}
 
 
-def _model_file_stages(args: argparse.Namespace) -> int | None:
+def _model_file_stages(spec: TrainSpec) -> int | None:
     """The stage count of ``--model-config`` (with ``--train``): the run's ``--num-stages`` unless given."""
-    path = args.model_config
-    if path is None or not args.train:
+    path = spec.model_config
+    if path is None or not spec.train:
         return None
     from node.train.model import load_model_config_file
 
@@ -149,12 +153,29 @@ def _has_no_vocab(path) -> bool:
     return isinstance(raw, dict) and "vocab" not in raw and "vocab_size" not in raw
 
 
-def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+def run_spec_from_args(args: argparse.Namespace) -> TrainSpec:
+    """The run's settings of a parsed ``node run``, ``--device auto`` resolved to this machine's device (an
+    unusable device is one error line)."""
+    from dataclasses import replace
+
+    from node.train.precision import resolve_device
+
+    spec = TrainSpec.from_args(args)
+    try:
+        return replace(spec, device=resolve_device(spec.device))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def config_from_args(args: argparse.Namespace, spec: TrainSpec | None = None) -> DaemonConfig:
+    """The daemon's config: the run's settings from ``spec`` (read from ``args`` when not given), this
+    machine's own (addresses, identity, ports, access, the founder's schedule policy) from ``args``."""
+    spec = spec if spec is not None else run_spec_from_args(args)
     for flag, values in (("--initial-peers", args.initial_peers), ("--host-maddrs", args.host_maddrs),
                          ("--announce-maddrs", args.announce_maddrs)):
         if len(values) > MAX_MADDRS:
             raise UserError(f"{flag}: at most {MAX_MADDRS} multiaddrs, got {len(values)}")
-    if args.heartbeat <= 0:
+    if spec.heartbeat <= 0:
         raise UserError("--heartbeat must be positive")
     if args.rpc_rate is not None and args.rpc_rate <= 0:
         raise UserError("--rpc-rate must be positive")
@@ -172,43 +193,37 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     budget = args.schedule_budget
     if budget is not None and budget <= 0:
         raise UserError("--schedule-budget must be positive")
-    if args.num_stages is not None and args.stages is not None and max(args.stages) >= args.num_stages:
-        raise UserError(f"--stages {','.join(map(str, args.stages))} needs --num-stages > {max(args.stages)}")
-    stages_guess = args.num_stages or (max(args.stages) + 1 if args.stages else 2)
-    path_length = args.path_length or stages_guess
-    if args.microbatches * path_length * path_length > MAX_RUN_SCHEDULE_WORK:
-        raise UserError(f"--microbatches {args.microbatches} x path length {path_length} squared is over "
+    if spec.num_stages is not None and spec.stages is not None and max(spec.stages) >= spec.num_stages:
+        raise UserError(f"--stages {','.join(map(str, spec.stages))} needs --num-stages > {max(spec.stages)}")
+    stages_guess = spec.num_stages or (max(spec.stages) + 1 if spec.stages else 2)
+    path_length = spec.path_length or stages_guess
+    if spec.microbatches * path_length * path_length > MAX_RUN_SCHEDULE_WORK:
+        raise UserError(f"--microbatches {spec.microbatches} x path length {path_length} squared is over "
                         f"{MAX_RUN_SCHEDULE_WORK}: the coordinator could not schedule an epoch in time; "
                         "use fewer microbatches or a shorter --path-length")
-    location_cost = emulated_location_cost(args)
-    from node.train.precision import resolve_device
-
-    try:
-        args.device = resolve_device(args.device)  # auto -> cuda/cpu; an unusable device is one error line
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    location_cost = emulated_location_cost(args, spec)
     return DaemonConfig(
-        run_id=args.run_id,
+        run_id=spec.run_id,
         initial_peers=tuple(args.initial_peers),
         new_swarm=args.new_swarm,
-        stages=None if args.auto or args.stages is None else tuple(args.stages),
-        num_stages=args.num_stages if args.num_stages is not None else _model_file_stages(args),
-        path_length=args.path_length,
-        microbatches_per_data_node=args.microbatches,
+        stages=None if spec.auto or spec.stages is None else tuple(spec.stages),
+        num_stages=spec.num_stages if spec.num_stages is not None else _model_file_stages(spec),
+        path_length=spec.path_length,
+        microbatches_per_data_node=spec.microbatches,
         schedule_policy=policy,
         location_cost=location_cost,
         **({"schedule_budget_s": budget} if budget is not None else {}),
-        memory_slots=args.memory_slots,
+        memory_slots=spec.memory_slots,
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
         gossip_port=args.gossip_port,
         identity_path=(args.identity or default_identity_path()).expanduser(),
-        device=args.device,
+        device=spec.device,
         location=args.location,
         rpc_port=None if args.rpc_port is not None and args.rpc_port < 0 else args.rpc_port,
         protocol_version=args.protocol_version,
         ready_file=args.ready_file,
-        heartbeat_s=args.heartbeat,
+        heartbeat_s=spec.heartbeat,
         swarm_key_path=args.swarm_key.expanduser() if args.swarm_key else None,
         allow_peers_path=args.allow_peers.expanduser() if args.allow_peers else None,
         access_handshake=not args.no_access_handshake,
@@ -230,10 +245,11 @@ def _run(args: argparse.Namespace) -> int:
     install_fork_guard()  # the forked DHT process (and any other forked child) dies with us
     parent_watchdog_from_env()  # started by a harness: do not outlive it
     setup_logging(args.log_level)
-    config = config_from_args(args)
+    spec = run_spec_from_args(args)  # the run's settings, read once; both configs are built from them
+    config = config_from_args(args, spec)
     from node.cli.train_args import training_services_from_args
 
-    services = training_services_from_args(args)
+    services = training_services_from_args(args, spec)
     from node.swarm.daemon import run_daemon  # heavy imports only when actually running
 
     return run_daemon(config, services, exit_when_done=args.exit_when_done)

@@ -19,7 +19,7 @@ from node.spec import DEFAULT_TRAIN_ITERATIONS, TrainSpec
 from node.train.precision import PRECISIONS
 from protocol.compression import WIRE_TABLE
 
-__all__ = ["add_training_arguments", "add_model_data_arguments", "model_and_data_from_args",
+__all__ = ["add_training_arguments", "add_model_data_arguments", "add_precision_wire_arguments", "model_and_data_from_args", "model_and_data_from_spec",
            "training_services_from_args", "DEFAULT_TRAIN_ITERATIONS", "MODEL_SIZE_NAMES", "default_tokenizer"]
 
 MODEL_SIZE_NAMES = ("tiny", "small", "500m")
@@ -51,16 +51,20 @@ def add_model_data_arguments(g) -> None:
 
 
 def model_and_data_from_args(args: argparse.Namespace, resolve_tokenizer: bool = True):
-    """``(ModelConfig, DataConfig)`` from the shared flags: the tokenizer is resolved (trained once if
-    needed) and its hash recorded in the DataConfig, the model's vocabulary is the tokenizer's, and
-    ``--model-config``'s stages must agree with ``--num-stages``. Bad values raise UserError."""
+    """:func:`model_and_data_from_spec` of a parsed command line."""
+    return model_and_data_from_spec(TrainSpec.from_args(args), resolve_tokenizer)
+
+
+def model_and_data_from_spec(run: TrainSpec, resolve_tokenizer: bool = True):
+    """``(ModelConfig, DataConfig)`` of a run: the tokenizer is resolved (trained once if needed) and its
+    hash recorded in the DataConfig, the model's vocabulary is the tokenizer's, and ``--model-config``'s
+    stages must agree with ``--num-stages``. Bad values raise UserError."""
     from dataclasses import replace
 
     from node.train.data import DataConfig, resolve_data_config, tokenizer_spec_of
     from node.train.model import load_model_config_file, model_config
     from node.train.tokenizer import parse_tokenizer_spec
 
-    run = TrainSpec.from_args(args)
     model = run.model
     spec = parse_tokenizer_spec(run.tokenizer or default_tokenizer(model))
     data = DataConfig(corpus=str(run.corpus), tokenizer=spec.config_name,
@@ -91,6 +95,17 @@ def model_and_data_from_args(args: argparse.Namespace, resolve_tokenizer: bool =
     return mcfg, replace(data, seq_len=seq_len)
 
 
+def add_precision_wire_arguments(g, defaults: TrainSpec = TrainSpec()) -> None:
+    """``--precision`` and ``--wire`` of ``node run --train`` and ``up``: choices from the precision and codec
+    tables, defaults from ``defaults``."""
+    g.add_argument("--precision", default=defaults.precision, choices=["auto", *PRECISIONS],
+                   help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
+                        "it, else fp32. All members of a run must use the same")
+    g.add_argument("--wire", default=defaults.wire, choices=list(WIRE_TABLE),
+                   help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
+                        "the replicas' averaging uses the matching hivemind compression. All members must agree")
+
+
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (with --train)")
     g.add_argument("--train", action="store_true", help="run a trainer for this node's stage inside the daemon")
@@ -106,19 +121,14 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int_range(0, 2**32 - 1), default=TrainSpec.seed, help="model initialisation and data order seed")
     g.add_argument("--microbatch-size", type=int_range(1, 65536), default=TrainSpec.microbatch_size, help="sequences per microbatch")
     g.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
-    g.add_argument("--precision", default=TrainSpec.precision, choices=["auto", *PRECISIONS],
-                   help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
-                        "it, else fp32. All members of a run must use the same")
-    g.add_argument("--wire", default=TrainSpec.wire, choices=list(WIRE_TABLE),
-                   help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
-                        "the replicas' averaging uses the matching hivemind compression. All members must agree")
+    add_precision_wire_arguments(g)
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
     g.add_argument("--threads", type=int_range(1, MAX_THREADS), default=None, help="torch threads of this process")
-    g.add_argument("--iteration-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=600.0,
+    g.add_argument("--iteration-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=TrainSpec.iteration_timeout,
                    help="seconds an iteration may take before training stops as stalled")
     g.add_argument("--start-debounce", type=float_range(0, MAX_DURATION_S), default=None,
                    help="seconds the schedule epoch must stay current before training pins it (default 3 heartbeats)")
-    g.add_argument("--agreement-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=600.0,
+    g.add_argument("--agreement-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=TrainSpec.agreement_timeout,
                    help="seconds to wait for every member of the pinned epoch to confirm it")
     g.add_argument("--drain-timeout", type=float_range(0, MAX_DURATION_S), default=60.0, metavar="S",
                    help="on SIGTERM keep training until a schedule epoch without this node starts, at most "
@@ -135,31 +145,34 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     add_emulation_arguments(p, location=False)  # node run has its own --location (advertised to peers)
 
 
-def training_services_from_args(args: argparse.Namespace) -> list:
-    """``[TrainerService]`` for ``--train``, else ``[]``; bad values raise :class:`UserError`."""
-    if not args.train:
+def training_services_from_args(args: argparse.Namespace, spec: TrainSpec | None = None) -> list:
+    """``[TrainerService]`` for ``--train``, else ``[]``: the run's settings from ``spec`` (read from ``args``
+    when not given), this node's own (name, debounce, drain, ban, faults, emulation) from ``args``; bad values
+    raise :class:`UserError`."""
+    spec = spec if spec is not None else TrainSpec.from_args(args)
+    if not spec.train:
         return []
     from dataclasses import replace
 
-    if args.iterations < 1:
+    if spec.iterations < 1:
         raise UserError("--iterations must be at least 1")
-    if args.checkpoint_every < 0:
+    if spec.checkpoint_every < 0:
         raise UserError("--checkpoint-every must be >= 0")
-    if args.min_members < 1:
+    if spec.min_members < 1:
         raise UserError("--min-members must be at least 1")
-    if args.resume and args.checkpoint_dir is None:
+    if spec.resume and spec.checkpoint_dir is None:
         raise UserError("--resume needs --checkpoint-dir")
-    if args.microbatch_size < 1 or (args.seq_len is not None and args.seq_len < 2):
+    if spec.microbatch_size < 1 or (spec.seq_len is not None and spec.seq_len < 2):
         raise UserError("--microbatch-size must be >= 1 and --seq-len >= 2")
-    if args.lr is not None and args.lr <= 0:
+    if spec.lr is not None and spec.lr <= 0:
         raise UserError("--lr must be positive")
-    if args.iteration_timeout <= 0 or args.agreement_timeout <= 0:
+    if spec.iteration_timeout <= 0 or spec.agreement_timeout <= 0:
         raise UserError("--iteration-timeout and --agreement-timeout must be positive")
     if args.drain_timeout < 0:
         raise UserError("--drain-timeout must be >= 0")
     from node.train.faults import FaultInjector, parse_fault
 
-    faults = FaultInjector([parse_fault(spec) for spec in args.inject or []]) or None
+    faults = FaultInjector([parse_fault(text) for text in args.inject or []]) or None
 
     from node.train.averaging import AveragingConfig, averaging_compression_for_wire
     from node.train.precision import resolve_device, resolve_precision
@@ -167,32 +180,32 @@ def training_services_from_args(args: argparse.Namespace) -> list:
     from node.train.service import TrainerService
     from node.train.trainer import TrainerConfig
 
-    mcfg, data = model_and_data_from_args(args)
-    optim = OptimConfig() if args.lr is None else OptimConfig(lr=args.lr)
+    mcfg, data = model_and_data_from_spec(spec)
+    optim = OptimConfig() if spec.lr is None else OptimConfig(lr=spec.lr)
     try:  # device, precision and wire format (docs/training.md, "GPUs, precision and wire formats")
-        device = resolve_device(args.device)
-        precision = resolve_precision(args.precision, device)
-        wire = args.wire
+        device = resolve_device(spec.device)
+        precision = resolve_precision(spec.precision, device)
+        wire = spec.wire
         averaging = AveragingConfig(compression=averaging_compression_for_wire(wire))
     except ValueError as e:
         raise UserError(str(e)) from None
     config = TrainerConfig(
-        run_id=args.run_id,
+        run_id=spec.run_id,
         model=mcfg,
         optim=optim,
         data=data,
-        seed=args.seed,
+        seed=spec.seed,
         device=device, precision=precision, wire=wire, averaging=averaging,
-        checkpoint_dir=str(args.checkpoint_dir.expanduser()) if args.checkpoint_dir else None,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        iteration_timeout_s=args.iteration_timeout,
+        checkpoint_dir=str(Path(spec.checkpoint_dir).expanduser()) if spec.checkpoint_dir else None,
+        checkpoint_every=spec.checkpoint_every,
+        resume=spec.resume,
+        iteration_timeout_s=spec.iteration_timeout,
         **({} if args.ban is None else {"ban_s": args.ban, "ban_max_s": BAN_MAX_FACTOR * args.ban}),
     )
-    service = TrainerService(config, args.iterations, node_name=args.node_name, min_members=args.min_members,
-                             start_debounce_s=args.start_debounce, agreement_timeout_s=args.agreement_timeout,
-                             threads=args.threads, emulation=emulation_from_args(args), faults=faults,
+    service = TrainerService(config, spec.iterations, node_name=args.node_name, min_members=spec.min_members,
+                             start_debounce_s=args.start_debounce, agreement_timeout_s=spec.agreement_timeout,
+                             threads=spec.threads, emulation=emulation_from_args(args), faults=faults,
                              drain_timeout_s=float(args.drain_timeout))
     # what the founder's banner tells joiners to pass, with the precision this node resolved "auto" to
-    service.join_flags = replace(TrainSpec.from_args(args), precision=precision).join_argv()
+    service.join_flags = replace(spec, precision=precision).join_argv()
     return [service]

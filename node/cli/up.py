@@ -14,11 +14,9 @@ import signal
 
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
 from node.spec import TrainSpec
-from node.train.precision import DEVICES, PRECISIONS
-from protocol.compression import WIRE_TABLE
+from node.train.precision import DEVICES
 from node.cli.validate import MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range
-from node.cli.up_runners import (DEFAULT_DATA_NODES, DEFAULT_ITERATIONS, DEFAULT_LR, DEFAULT_MEMORY,
-                                 DEFAULT_MICROBATCHES, DEFAULT_PATH_LENGTH, DEFAULT_REPLICAS, UpOptions, _compute_config, run_up,
+from node.cli.up_runners import (DEFAULT_DATA_NODES, DEFAULT_REPLICAS, UP_SPEC, UpOptions, _compute_config, run_up,
                                  run_up_swarm)
 
 __all__ = ["register"]
@@ -34,14 +32,10 @@ def _print_summary(summary: dict, out: str) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    opts = UpOptions(iterations=args.iterations, out=args.out, model=args.model, corpus=args.corpus,
-                     data_nodes=args.data_nodes, replicas=args.replicas, path_length=args.path_length,
-                     microbatches=args.microbatches, microbatch_size=args.microbatch_size, memory=args.memory,
-                     lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                     reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet,
-                     in_process=args.in_process, emulation=emulation_from_args(args, require_location=False),
-                     num_stages=args.num_stages, model_config=args.model_config, text_field=args.text_field,
-                     tokenizer=args.tokenizer, device=args.device, precision=args.precision, wire=args.wire)
+    # the run's flags (named as node run's) into one spec, up's defaults for the rest; the local swarm's own
+    opts = UpOptions(spec=TrainSpec.from_args(args, base=UP_SPEC), out=args.out, data_nodes=args.data_nodes,
+                     replicas=args.replicas, reorder=not args.no_reorder, scheduler=args.scheduler, quiet=args.quiet,
+                     in_process=args.in_process, emulation=emulation_from_args(args, require_location=False))
     _compute_config(opts)  # an unusable --device/--precision/--wire: one error line before anything starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not opts.in_process:
@@ -71,30 +65,29 @@ def register(subparsers) -> None:
         "up", help="train a tiny model on a local swarm (no flags needed)",
         description="Start a local swarm on 127.0.0.1 (bootstrap + data nodes + stage replicas), train the tiny "
                     "model on Shakespeare with stage skipping, write a loss curve and a summary, stop cleanly.")
-    p.add_argument("--iterations", type=int_range(1, 10**9), default=DEFAULT_ITERATIONS, help="total iterations (default %(default)s)")
+    p.add_argument("--iterations", type=int_range(1, 10**9), default=UP_SPEC.iterations, help="total iterations (default %(default)s)")
     p.add_argument("--out", default="skippipe-up", help="output folder (default ./%(default)s)")
-    from node.cli.train_args import add_model_data_arguments
+    from node.cli.train_args import add_model_data_arguments, add_precision_wire_arguments
 
     add_model_data_arguments(p)  # --model, --model-config, --corpus, --text-field, --tokenizer: as node run
-    p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), default=None,
+    p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), default=UP_SPEC.num_stages,
                    help="pipeline stages (default: the model's, 6 for the named sizes); as node run --num-stages")
-    p.add_argument("--device", default="cpu", choices=list(DEVICES),
+    p.add_argument("--device", default=UP_SPEC.device, choices=list(DEVICES),
                    help="torch device of every node (auto: cuda when available; default cpu)")
-    p.add_argument("--precision", default=TrainSpec.precision, choices=["auto", *PRECISIONS],
-                   help="compute precision (auto: bf16 on a GPU that supports it, else fp32)")
-    p.add_argument("--wire", default=TrainSpec.wire, choices=list(WIRE_TABLE),
-                   help="wire format of activations and gradients (default fp32)")
+    add_precision_wire_arguments(p, UP_SPEC)
     p.add_argument("--data-nodes", type=int_range(1, 64), default=DEFAULT_DATA_NODES)
     p.add_argument("--replicas", default=DEFAULT_REPLICAS,
                    help="replicas of stages 1..S-1, comma-separated or one number (default %(default)s)")
-    p.add_argument("--path-length", type=int_range(1, MAX_STAGES), default=DEFAULT_PATH_LENGTH,
+    p.add_argument("--path-length", type=int_range(1, MAX_STAGES), default=UP_SPEC.path_length,
                    help="stages per microbatch incl. stage 0 (default %(default)s; = stages for no skipping)")
-    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=DEFAULT_MICROBATCHES, help="per data node per iteration")
-    p.add_argument("--microbatch-size", type=int_range(1, 65536), default=8, help="sequences per microbatch")
-    p.add_argument("--memory", type=int_range(1, MAX_MEMORY_SLOTS), default=DEFAULT_MEMORY, help="in-flight microbatches per node")
-    p.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=DEFAULT_LR)
-    p.add_argument("--seed", type=int_range(0, 2**32 - 1), default=0)
-    p.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=10)
+    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=UP_SPEC.microbatches, help="per data node per iteration")
+    p.add_argument("--microbatch-size", type=int_range(1, 65536), default=UP_SPEC.microbatch_size, help="sequences per microbatch")
+    p.add_argument("--memory", dest="memory_slots", metavar="MEMORY", type=int_range(1, MAX_MEMORY_SLOTS),
+                   default=UP_SPEC.memory_slots,
+                   help="in-flight microbatches per node (node run's --memory-slots)")
+    p.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=UP_SPEC.lr)
+    p.add_argument("--seed", type=int_range(0, 2**32 - 1), default=UP_SPEC.seed)
+    p.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=UP_SPEC.checkpoint_every)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     p.add_argument("--scheduler", default="skippipe", choices=["skippipe", "builtin"],
                    help="paths from the SkipPipe path scheduler (default) or a fixed round-robin of stage subsets")

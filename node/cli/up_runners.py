@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import pathlib
@@ -23,59 +22,46 @@ from typing import Callable, Dict, List, Optional
 
 from node.cli.emulation_args import emulation_node_args, round_robin_emulation_for
 from node.errors import UserError
+from node.spec import TrainSpec
 from node.ops.plotting import load_pyplot
 from node.launch.inproc_swarm import InProcessSwarm
 from node.launch.schedules import build_schedule, scheduler_schedule
 
-__all__ = ["UpOptions", "run_up", "run_up_swarm", "RUN_ID", "NODES_DIR", "align_checkpoints"]
+__all__ = ["UpOptions", "UP_SPEC", "run_up", "run_up_swarm", "RUN_ID", "NODES_DIR", "align_checkpoints"]
 
 logger = logging.getLogger(__name__)
 
-#: Defaults of ``skippipe up``: 2 data nodes + stages 1..5 of the tiny model, two replicas for
-#: stages 1 and 2, paths of 4 stages out of 6 (skip ratio 1/3); about a minute on 2 CPU cores.
-DEFAULT_ITERATIONS = 40
+#: Where the daemons of ``skippipe up`` keep identities, logs and ready files (under --out).
+NODES_DIR = "nodes"
+RUN_ID = "up"
+#: Layout of ``skippipe up``: 2 data nodes + stages 1..5 of the tiny model, two replicas for stages 1 and 2.
 DEFAULT_DATA_NODES = 2
 DEFAULT_REPLICAS = "2,2,1,1,1"
-DEFAULT_PATH_LENGTH = 4
-DEFAULT_MICROBATCHES = 4
-DEFAULT_MEMORY = 2
-DEFAULT_LR = 3e-3
+#: The run ``skippipe up`` trains without flags: the tiny model on Shakespeare, 40 iterations at lr 3e-3, paths
+#: of 4 stages out of 6 (skip ratio 1/3), 4 microbatches per data node, 2 in flight per node; about a minute on
+#: 2 CPU cores. Its daemons beat every 2 s (a loopback swarm notices a death fast), use one torch thread each
+#: (a node per core would oversubscribe a laptop) and give up on an iteration after 180 s.
+UP_SPEC = TrainSpec(train=True, iterations=40, lr=3e-3, path_length=4, microbatches=4, memory_slots=2, run_id=RUN_ID,
+                    heartbeat=2.0, threads=1, iteration_timeout=180.0)
 #: Validation batches used for the before/after loss of the full model.
 VAL_BATCHES = 8
 
 
 @dataclass
 class UpOptions:
-    iterations: int = DEFAULT_ITERATIONS
+    """What ``skippipe up`` runs: the run (``spec``, the flags every daemon gets) and the local swarm around it."""
+
+    spec: TrainSpec = UP_SPEC
     out: str = "skippipe-up"
-    model: str = "tiny"
-    corpus: str = "shakespeare"
     data_nodes: int = DEFAULT_DATA_NODES
     replicas: str = DEFAULT_REPLICAS
-    path_length: int = DEFAULT_PATH_LENGTH
-    microbatches: int = DEFAULT_MICROBATCHES
-    microbatch_size: int = 8
-    memory: int = DEFAULT_MEMORY
-    lr: float = DEFAULT_LR
-    seed: int = 0
-    checkpoint_every: int = 10
-    resume: bool = False
     reorder: bool = True
     scheduler: str = "skippipe"  # "skippipe" (scheduler.paths) or "builtin" (build_schedule)
     quiet: bool = False
     in_process: bool = False  # the in-process harness instead of one daemon process per node
-    heartbeat_s: float = 2.0  # daemons' heartbeat (daemon mode)
     start_timeout_s: float = 480.0  # daemon mode: until the first iteration is committed
     stall_timeout_s: float = 240.0  # daemon mode: longest wait for the next iteration
     emulation: Optional[object] = None  # node.cli.emulation_args.EmulationSettings; None = no WAN/compute emulation
-    # the model/data flags node run takes (node.cli.train_args.add_model_data_arguments) and --num-stages
-    num_stages: Optional[int] = None
-    model_config: Optional[str] = None
-    text_field: str = "text"
-    tokenizer: Optional[str] = None
-    device: str = "cpu"  # cpu | cuda | auto (every node of the local swarm on it)
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16
-    wire: str = "fp32"  # fp32 | bf16 | fp16 | int8
 
 
 def _compute_config(opts: UpOptions) -> dict:
@@ -83,10 +69,11 @@ def _compute_config(opts: UpOptions) -> dict:
     from node.train.averaging import AveragingConfig, averaging_compression_for_wire
     from node.train.precision import resolve_device, resolve_precision
 
+    spec = opts.spec
     try:
-        device = resolve_device(opts.device)
-        return dict(device=device, precision=resolve_precision(opts.precision, device), wire=opts.wire,
-                    averaging=AveragingConfig(compression=averaging_compression_for_wire(opts.wire)))
+        device = resolve_device(spec.device)
+        return dict(device=device, precision=resolve_precision(spec.precision, device), wire=spec.wire,
+                    averaging=AveragingConfig(compression=averaging_compression_for_wire(spec.wire)))
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -94,16 +81,14 @@ def _compute_config(opts: UpOptions) -> dict:
 def _model_and_data(opts: UpOptions):
     """``(ModelConfig, DataConfig)`` exactly as every ``node run --train`` of this swarm resolves them
     (the tokenizer is trained/cached here once, before the daemons start), with ``--num-stages``."""
-    from node.cli.train_args import model_and_data_from_args
+    from node.cli.train_args import model_and_data_from_spec
 
-    if opts.num_stages is not None and opts.num_stages < 2:
-        raise UserError(f"--num-stages must be at least 2, got {opts.num_stages}")
-    ns = argparse.Namespace(model=opts.model, model_config=opts.model_config, corpus=opts.corpus,
-                            text_field=opts.text_field, tokenizer=opts.tokenizer, microbatch_size=opts.microbatch_size,
-                            seed=opts.seed, seq_len=None, num_stages=opts.num_stages)
-    mcfg, data_cfg = model_and_data_from_args(ns)
-    if opts.num_stages is not None and opts.num_stages != mcfg.n_stages:
-        mcfg = replace(mcfg, n_stages=opts.num_stages).validate()  # layers per stage stay those of the size
+    num_stages = opts.spec.num_stages
+    if num_stages is not None and num_stages < 2:
+        raise UserError(f"--num-stages must be at least 2, got {num_stages}")
+    mcfg, data_cfg = model_and_data_from_spec(opts.spec)
+    if num_stages is not None and num_stages != mcfg.n_stages:
+        mcfg = replace(mcfg, n_stages=num_stages).validate()  # layers per stage stay those of the size
     return mcfg, data_cfg
 
 
@@ -169,7 +154,8 @@ async def run_up(opts: UpOptions) -> dict:
     from node.train.runtime import OptimConfig
     from node.train.trainer import TrainerConfig
 
-    if opts.iterations < 1:
+    run = opts.spec
+    if run.iterations < 1:
         raise UserError("--iterations must be at least 1")
     out = pathlib.Path(opts.out)
     try:
@@ -179,48 +165,48 @@ async def run_up(opts: UpOptions) -> dict:
     mcfg, data_cfg = _model_and_data(opts)
     splits = load_splits(data_cfg)
     replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
-    schedule = build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches,
-                              opts.memory, reorder=opts.reorder)
+    schedule = build_schedule(mcfg.n_stages, opts.data_nodes, replicas, run.path_length, run.microbatches,
+                              run.memory_slots, reorder=opts.reorder)
     if opts.scheduler == "skippipe":
         t_sched = time.perf_counter()
-        schedule = scheduler_schedule(schedule, opts.path_length, opts.microbatches, opts.memory, opts.seed)
+        schedule = scheduler_schedule(schedule, run.path_length, run.microbatches, run.memory_slots, run.seed)
         logger.info("path scheduler took %.1f s", time.perf_counter() - t_sched)
     elif opts.scheduler != "builtin":
         raise UserError(f"unknown scheduler {opts.scheduler!r}; choose 'skippipe' or 'builtin'")
-    config = TrainerConfig(run_id="up", model=mcfg, optim=OptimConfig(lr=opts.lr), data=data_cfg, seed=opts.seed,
-                           checkpoint_dir=str(out / "checkpoints"), checkpoint_every=opts.checkpoint_every,
-                           resume=opts.resume, **_compute_config(opts))
+    config = TrainerConfig(run_id=run.run_id, model=mcfg, optim=OptimConfig(lr=run.lr), data=data_cfg, seed=run.seed,
+                           checkpoint_dir=str(out / "checkpoints"), checkpoint_every=run.checkpoint_every,
+                           resume=run.resume, **_compute_config(opts))
     val = validation_batches(splits, data_cfg, VAL_BATCHES)
     n_nodes = sum(len(s) for s in schedule["stages"])
     if not opts.quiet:
         print(f"starting a local swarm: bootstrap + {n_nodes} nodes ({opts.data_nodes} data nodes, stage replicas "
-              f"{replicas}), model {opts.model}, path length {opts.path_length}/{mcfg.n_stages}, corpus {opts.corpus}, "
+              f"{replicas}), model {run.model}, path length {run.path_length}/{mcfg.n_stages}, corpus {run.corpus}, "
               f"{opts.scheduler} schedule",
               file=sys.stderr)
-    progress = _Progress(opts.iterations, quiet=opts.quiet)
+    progress = _Progress(run.iterations, quiet=opts.quiet)
     t_start = time.perf_counter()
     emulation_for = round_robin_emulation_for(opts.emulation) if opts.emulation is not None else None
     async with InProcessSwarm(schedule, config, splits, on_iteration=progress, emulation_for=emulation_for) as swarm:
         t_ready = time.perf_counter()
         first = swarm.start_iteration
-        if first >= opts.iterations:
+        if first >= run.iterations:
             raise UserError(f"checkpoints are already at iteration {first}; ask for more --iterations")
         val_before = evaluate_loss(swarm.stage_modules(), val)
-        stats = await swarm.train(opts.iterations)
+        stats = await swarm.train(run.iterations)
         val_after = evaluate_loss(swarm.stage_modules(), val)
     t_end = time.perf_counter()
     history = [asdict(s) for s in stats]
     prev = out / "history.json"
-    if opts.resume and prev.exists():
+    if run.resume and prev.exists():
         old = [h for h in json.loads(prev.read_text()) if h["iteration"] < first]
         history = old + history
     prev.write_text(json.dumps(history, indent=1))
-    plotted = _plot(history, out / "loss.png", f"skippipe up: {opts.model} on {opts.corpus}")
+    plotted = _plot(history, out / "loss.png", f"skippipe up: {run.model} on {run.corpus}")
     train_s = sum(s.seconds for s in stats)
     summary = {
-        "iterations": opts.iterations, "resumed_from": first, "nodes": n_nodes, "data_nodes": opts.data_nodes,
-        "replicas": replicas, "path_length": opts.path_length, "n_stages": mcfg.n_stages, "model": opts.model,
-        "corpus": opts.corpus, "scheduler": opts.scheduler, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "iterations": run.iterations, "resumed_from": first, "nodes": n_nodes, "data_nodes": opts.data_nodes,
+        "replicas": replicas, "path_length": run.path_length, "n_stages": mcfg.n_stages, "model": run.model,
+        "corpus": run.corpus, "scheduler": opts.scheduler, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
         "val_loss_before": val_before, "val_loss_after": val_after,
         "tokens_per_s": sum(s.tokens for s in stats) / max(train_s, 1e-9),
         "mean_iteration_s": train_s / max(len(stats), 1), "startup_s": t_ready - t_start,
@@ -232,37 +218,33 @@ async def run_up(opts: UpOptions) -> dict:
 
 
 # ---------------------------------------------------------------------- daemon mode
-#: Where the daemons of ``skippipe up`` keep identities, logs and ready files (under --out).
-NODES_DIR = "nodes"
-RUN_ID = "up"
 _POLL_S = 1.0
 
 
 def _layout(opts: UpOptions):
     """Model config, data config, replica counts (flag checks shared with the in-process harness)."""
-    if opts.iterations < 1:
+    run = opts.spec
+    if run.iterations < 1:
         raise UserError("--iterations must be at least 1")
     mcfg, data_cfg = _model_and_data(opts)
     replicas = _parse_replicas(opts.replicas, mcfg.n_stages)
-    build_schedule(mcfg.n_stages, opts.data_nodes, replicas, opts.path_length, opts.microbatches, opts.memory)
+    build_schedule(mcfg.n_stages, opts.data_nodes, replicas, run.path_length, run.microbatches, run.memory_slots)
     if opts.scheduler != "skippipe":
         raise UserError("--scheduler builtin needs --in-process (the daemons' coordinator uses the SkipPipe scheduler)")
     return mcfg, data_cfg, replicas
 
 
-def _node_args(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> Callable[[int], List[str]]:
-    def args(i: int) -> List[str]:
-        a = ["--train", "--model", opts.model, "--corpus", opts.corpus, "--text-field", opts.text_field,
-             *(["--model-config", str(opts.model_config)] if opts.model_config else []),
-             *(["--tokenizer", opts.tokenizer] if opts.tokenizer else []), "--iterations", str(opts.iterations),
-             "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(opts.checkpoint_every),
-             "--node-name", f"node{i}", "--min-members", str(n_nodes), "--lr", repr(opts.lr), "--seed", str(opts.seed),
-             "--microbatch-size", str(opts.microbatch_size), "--microbatches", str(opts.microbatches),
-             "--memory-slots", str(opts.memory), "--threads", "1", "--iteration-timeout", "180",
-             "--agreement-timeout", str(int(opts.start_timeout_s)), "--log-level", "INFO"]
-        compute = ["--device", opts.device, "--precision", opts.precision, "--wire", opts.wire]
-        return a + compute + (["--resume"] if opts.resume else []) + emulation_node_args(opts.emulation, i)
-    return args
+def _daemon_spec(opts: UpOptions, out: pathlib.Path, n_nodes: int) -> TrainSpec:
+    """The run every daemon gets (``to_argv()`` on its command line): ``up``'s spec, training, checkpoints
+    under ``--out``, started on the one epoch that holds every node, whose members confirm it within the
+    start timeout."""
+    return replace(opts.spec, train=True, run_id=RUN_ID, checkpoint_dir=out / "checkpoints", min_members=n_nodes,
+                   agreement_timeout=float(opts.start_timeout_s))
+
+
+def _node_args(opts: UpOptions) -> Callable[[int], List[str]]:
+    """Node ``i``'s own flags after the run's: its checkpoint name and its emulated location."""
+    return lambda i: ["--node-name", f"node{i}", *emulation_node_args(opts.emulation, i)]
 
 
 def _stage_modules_from_checkpoints(ckpt_root: Optional[pathlib.Path], mcfg, seed: int, names: Dict[int, str]):
@@ -345,6 +327,7 @@ def run_up_swarm(opts: UpOptions) -> dict:
     from node.launch.watch import TrainingWatch
     from node.train.reference import evaluate_loss
 
+    run = opts.spec
     mcfg, data_cfg, replicas = _layout(opts)
     out = pathlib.Path(opts.out)
     try:
@@ -360,20 +343,20 @@ def run_up_swarm(opts: UpOptions) -> dict:
     ckpt_root = out / "checkpoints"
     # a fresh run starts from the initial weights even where an earlier run left checkpoints in --out
     # (the daemons overwrite them); only --resume starts from them
-    if opts.resume:  # replicas killed mid-run catch up from a replica of their stage first
+    if run.resume:  # replicas killed mid-run catch up from a replica of their stage first
         names = {k: [f"node{sum(stage_sizes[:k]) + r}" for r in range(size)] for k, size in enumerate(stage_sizes)}
         align_checkpoints(ckpt_root, names)
-    before, ck_iters = _stage_modules_from_checkpoints(ckpt_root if opts.resume else None, mcfg, opts.seed, first_of)
-    if opts.resume and min(ck_iters) + 1 >= opts.iterations:
+    before, ck_iters = _stage_modules_from_checkpoints(ckpt_root if run.resume else None, mcfg, run.seed, first_of)
+    if run.resume and min(ck_iters) + 1 >= run.iterations:
         raise UserError(f"checkpoints are already at iteration {min(ck_iters) + 1}; ask for more --iterations")
     val_before = evaluate_loss(before, val)  # initial weights, or the checkpoints resumed from
-    swarm = ProcessSwarm(n_nodes, stage_sizes, base_dir=out / NODES_DIR, run_id=RUN_ID, heartbeat_s=opts.heartbeat_s,
-                         path_length=opts.path_length, extra_args=_node_args(opts, out, n_nodes))
+    swarm = ProcessSwarm(n_nodes, stage_sizes, base_dir=out / NODES_DIR, spec=_daemon_spec(opts, out, n_nodes),
+                         extra_args=_node_args(opts))
     if not opts.quiet:
         print(f"starting a local swarm of {n_nodes} daemons ({opts.data_nodes} data nodes, stage replicas {replicas}; "
-              f"node 0 founds it), model {opts.model}, path length {opts.path_length}/{mcfg.n_stages}, "
-              f"corpus {opts.corpus}; logs in {out / NODES_DIR}", file=sys.stderr)
-    progress = _Progress(opts.iterations, quiet=opts.quiet)
+              f"node 0 founds it), model {run.model}, path length {run.path_length}/{mcfg.n_stages}, "
+              f"corpus {run.corpus}; logs in {out / NODES_DIR}", file=sys.stderr)
+    progress = _Progress(run.iterations, quiet=opts.quiet)
     t_start = time.perf_counter()
     t_ready = None
     watch: Optional[TrainingWatch] = None
@@ -395,21 +378,21 @@ def run_up_swarm(opts: UpOptions) -> dict:
     history = watch.history if watch is not None else []
     first, t_first = (watch.first, watch.t_first) if watch is not None else (None, None)
     t_end = time.perf_counter()
-    after, _ = _stage_modules_from_checkpoints(ckpt_root, mcfg, opts.seed, first_of)
+    after, _ = _stage_modules_from_checkpoints(ckpt_root, mcfg, run.seed, first_of)
     val_after = evaluate_loss(after, val)
     first = first if first is not None else 0
     prev = out / "history.json"
-    if opts.resume and prev.exists():
+    if run.resume and prev.exists():
         old = [h for h in json.loads(prev.read_text()) if h["iteration"] < first]
         history = old + [h for h in history if h["iteration"] >= first]
     prev.write_text(json.dumps(history, indent=1))
-    plotted = _plot(history, out / "loss.png", f"skippipe up: {opts.model} on {opts.corpus} ({n_nodes} daemons)")
+    plotted = _plot(history, out / "loss.png", f"skippipe up: {run.model} on {run.corpus} ({n_nodes} daemons)")
     trained = [h for h in history if h["iteration"] >= first]
     train_s = sum(h["seconds"] for h in trained)
     summary = {
-        "mode": "daemons", "iterations": opts.iterations, "resumed_from": first, "nodes": n_nodes,
-        "data_nodes": opts.data_nodes, "replicas": replicas, "path_length": opts.path_length,
-        "n_stages": mcfg.n_stages, "model": opts.model, "corpus": opts.corpus, "scheduler": "skippipe",
+        "mode": "daemons", "iterations": run.iterations, "resumed_from": first, "nodes": n_nodes,
+        "data_nodes": opts.data_nodes, "replicas": replicas, "path_length": run.path_length,
+        "n_stages": mcfg.n_stages, "model": run.model, "corpus": run.corpus, "scheduler": "skippipe",
         "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
         "val_loss_before": val_before, "val_loss_after": val_after,
         "tokens_per_s": sum(h["tokens"] for h in trained) / max(train_s, 1e-9),

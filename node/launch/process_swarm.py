@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -26,6 +26,7 @@ from node.errors import UserError
 from node.net.rpc import call_http
 from node.launch.procs import process_group_members
 from node.net.lifetime import PARENT_PID_ENV
+from node.spec import TrainSpec
 
 __all__ = ["ProcessNode", "ProcessSwarm", "stage_layout", "process_group_members", "training_state"]
 
@@ -34,6 +35,11 @@ DEFAULT_START_TIMEOUT_S = 90.0
 #: Seconds between SIGTERM and SIGKILL of a node's process group.
 DEFAULT_STOP_GRACE_S = 15.0
 _POLL_S = 0.1
+#: Run id of a local swarm started without a spec or a run id.
+LOCAL_RUN_ID = "local"
+#: Heartbeat of a local swarm started without a spec or a heartbeat: on loopback a second is plenty and
+#: deaths are noticed within a few seconds.
+LOCAL_HEARTBEAT_S = 1.0
 
 
 def stage_layout(stage_sizes: Sequence[int]) -> list[int]:
@@ -111,8 +117,10 @@ class ProcessNode:
 class ProcessSwarm:
     """N daemons on loopback; node 0 founds the swarm, the rest join through it.
 
-    ``extra_args`` is appended to every ``skippipe node run`` (a list, or a function of the node
-    index), e.g. the trainer's ``--train ...`` flags.
+    Every daemon runs with the run's flags (``spec.to_argv()``, the stage count from ``stage_sizes``) after
+    its own (stage, addresses, identity, ports, ready file, peers); without a ``spec`` the run is
+    ``run_id``, ``heartbeat_s`` and ``path_length``. ``extra_args`` is appended to every ``skippipe node
+    run`` (a list, or a function of the node index), e.g. a node's name.
     """
 
     def __init__(
@@ -121,9 +129,10 @@ class ProcessSwarm:
         stage_sizes: Sequence[int] | None = None,
         *,
         base_dir: Path,
-        run_id: str = "local",
-        heartbeat_s: float = 1.0,
+        run_id: str | None = None,
+        heartbeat_s: float | None = None,
         path_length: int | None = None,
+        spec: TrainSpec | None = None,
         extra_args: Sequence[str] | Callable[[int], Sequence[str]] = (),
         python: str = sys.executable,
         env: dict | None = None,
@@ -137,9 +146,12 @@ class ProcessSwarm:
             raise UserError(f"--stage-sizes {sizes} add up to {len(layout)} nodes, not --nodes {n_nodes}")
         self.stage_sizes = sizes
         self.base_dir = Path(base_dir)
-        self.run_id = run_id
-        self.heartbeat_s = heartbeat_s
-        self.path_length = path_length
+        if spec is not None and (run_id, heartbeat_s, path_length) != (None, None, None):
+            raise ValueError("give the run's id, heartbeat and path length in spec or as keywords, not both")
+        run = spec if spec is not None else TrainSpec(
+            run_id=LOCAL_RUN_ID if run_id is None else run_id, path_length=path_length,
+            heartbeat=LOCAL_HEARTBEAT_S if heartbeat_s is None else float(heartbeat_s))
+        self.spec = replace(run, num_stages=len(sizes))
         self.python = python
         self.env = dict(os.environ if env is None else env)
         self._extra = extra_args
@@ -151,21 +163,29 @@ class ProcessSwarm:
     def command(self, node: ProcessNode, initial_peers: Sequence[str] = ()) -> list[str]:
         args = [
             self.python, "-m", "node", "node", "run",
-            "--run-id", self.run_id,
             *(["--auto"] if node.auto else ["--stages", str(node.stage)]),
-            "--num-stages", str(len(self.stage_sizes)),
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--identity", str(node.identity_path),
             "--rpc-port", "0",
-            "--heartbeat", str(self.heartbeat_s),
             "--ready-file", str(node.ready_file),
+            *self.spec.to_argv(),
         ]  # fmt: skip
-        if self.path_length is not None:
-            args += ["--path-length", str(self.path_length)]
         if initial_peers:
             args += ["--initial-peers", *initial_peers]
         extra = self._extra(node.index) if callable(self._extra) else self._extra
         return args + list(extra)
+
+    @property
+    def run_id(self) -> str:
+        return self.spec.run_id
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.spec.heartbeat
+
+    @property
+    def path_length(self) -> int | None:
+        return self.spec.path_length
 
     @property
     def bootstrap_maddr(self) -> str:

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from node.spec import DEFAULT_HEARTBEAT_S, DEFAULT_MEMORY_SLOTS, DEFAULT_MICROBATCHES, DEFAULT_RUN_ID
+
 __all__ = [
     "DEFAULT_HEARTBEAT_S",
     "DEFAULT_RUN_ID",
@@ -23,14 +25,8 @@ __all__ = [
     "DaemonConfig",
 ]
 
-#: Seconds between two re-announcements of a node's stage adverts (and view refreshes).
-DEFAULT_HEARTBEAT_S = 5.0
-#: Run id used when none is given; peers of different runs refuse to join each other.
-DEFAULT_RUN_ID = "skippipe"
 #: Listen on every interface, ephemeral port: what a volunteer behind a home router needs.
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
-#: In-flight microbatches a node accepts (the reference runtime's ``memory`` = 3).
-DEFAULT_MEMORY_SLOTS = 3
 #: Environment variable overriding where identities and state are kept.
 SKIPPIPE_HOME_ENV = "SKIPPIPE_HOME"
 
@@ -62,7 +58,7 @@ class DaemonConfig:
     stages: tuple[int, ...] | None = None
     num_stages: int | None = None
     path_length: int | None = None
-    microbatches_per_data_node: int = 2
+    microbatches_per_data_node: int = DEFAULT_MICROBATCHES
     #: Run-level schedule policy and emulated cost table (new swarm only; see coordinator.RunConfig).
     schedule_policy: str = "skippipe"
     location_cost: dict | None = None

@@ -140,10 +140,11 @@ class Daemon:
         self.on_schedule_epoch: list[Callable[[ScheduleEpoch], Any]] = []
         #: Set whenever a new epoch is adopted; consumers clear it after reading current_epoch.
         self.epoch_changed = asyncio.Event()
-        #: Set by a training service: the first iteration a new schedule epoch may start at.
+        #: Set by a training service: the first iteration a new schedule epoch may start at, the iteration it last
+        #: committed (None while not training), why this node must not coordinate right now (None: nothing against it).
         self.training_progress: Callable[[float], int | None] | None = None
-        #: Set by a training service: the iteration it last committed (None while not training).
         self.training_iteration: Callable[[], int | None] | None = None
+        self.coordination_blocker: Callable[[], str | None] | None = None
         self.started_at = time.time()
         self.membership = Membership(self)
         self.gossip_access = GossipAccessControl(lambda: self.access, lambda: self.view, self.is_peer_allowed,
@@ -420,19 +421,15 @@ class Daemon:
         await self.gossip.start()
         self.admission = _admission_of(self)
         self.coordinator = Coordinator(
-            run_id=cfg.run_id,
-            identity=self.identity,
-            view=self.view,
-            run=self.run,
-            memory=cfg.memory_slots,
-            debounce_s=cfg.epoch_debounce_s,
-            takeover_s=cfg.coordinator_timeout_s,
-            budget_s=cfg.schedule_budget_s,
+            run_id=cfg.run_id, identity=self.identity,
+            view=self.view, run=self.run, memory=cfg.memory_slots,
+            debounce_s=cfg.epoch_debounce_s, takeover_s=cfg.coordinator_timeout_s, budget_s=cfg.schedule_budget_s,
             publish=self.membership.publish_epoch,
             on_adopt=self._on_adopt,
             progress=lambda lead_s=0.0: self.training_progress(lead_s) if self.training_progress is not None else None,
             admission=self.admission,
         )
+        self.coordinator.blocker = lambda: self.coordination_blocker() if self.coordination_blocker is not None else None
         await self.membership.catch_up()
 
     async def stop(self, graceful: bool = True) -> None:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from node.spec import DEFAULT_ITERATION_TIMEOUT_S
 from node.train.averaging import AveragingConfig
 from node.train.data import DataConfig
 from node.train.deadlines import DeadlineConfig
@@ -64,7 +65,7 @@ class TrainerConfig:
     #: a forward blocked by full memory slots this long with nothing else to do is admitted anyway:
     #: reordered paths can form a cycle of full nodes waiting on each other (see docs/training.md)
     memory_deadlock_grace_s: float = 5.0
-    iteration_timeout_s: float = 600.0
+    iteration_timeout_s: float = DEFAULT_ITERATION_TIMEOUT_S
     norm_exchange_timeout_s: float = 120.0
     #: the norm exchange polls the DHT for the members' records, first after ``norm_poll_s``, then
     #: at intervals doubling up to ``norm_poll_max_s``. Each poll is a ``latest=True`` DHT read that

@@ -26,6 +26,7 @@ from typing import Callable, List, Optional
 import torch
 
 from node.errors import UserError
+from node.spec import DEFAULT_AGREEMENT_TIMEOUT_S
 from node.net.records import rejected_counts
 from node.train.agreement import RepinEpoch, RunAgreement, training_summary
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
@@ -79,7 +80,7 @@ class TrainerService:
     def __init__(self, config: TrainerConfig, iterations: int, *, node_name: Optional[str] = None,
                  on_iteration: Optional[Callable[[IterationStats], None]] = None, poll_s: float = 0.5,
                  min_members: int = 1, start_debounce_s: Optional[float] = None,
-                 agreement_timeout_s: float = 600.0, threads: Optional[int] = None, emulation=None,
+                 agreement_timeout_s: float = DEFAULT_AGREEMENT_TIMEOUT_S, threads: Optional[int] = None, emulation=None,
                  faults=None, drain_timeout_s: float = 60.0):
         self.emulation = emulation  # optional node.cli.emulation_args.EmulationSettings (peer locations: daemon view)
         self.faults = faults  # optional node.train.faults.FaultInjector (--inject)
@@ -135,9 +136,7 @@ class TrainerService:
         daemon.register_rpc("training", self._rpc_training)
         daemon.training_progress = self.switch_iteration
         daemon.training_iteration = self.committed_iteration
-        coordinator = getattr(daemon, "coordinator", None)
-        if coordinator is not None and hasattr(coordinator, "blocker"):
-            coordinator.blocker = self.coordination_blocker
+        daemon.coordination_blocker = self.coordination_blocker
         daemon.on_schedule_epoch.append(self._offer_epoch)
         self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
 

@@ -35,10 +35,12 @@ def test_node_run_train_flags_reach_the_trainer_config():
 
 
 def test_up_passes_the_flags_to_every_node(tmp_path):
-    from node.cli.up_runners import UpOptions, _compute_config, _node_args
+    from dataclasses import replace
 
-    opts = UpOptions(device="auto", precision="bf16", wire="int8")
-    args = _node_args(opts, pathlib.Path(tmp_path), 9)(3)
+    from node.cli.up_runners import UP_SPEC, UpOptions, _compute_config, _daemon_spec
+
+    opts = UpOptions(replace(UP_SPEC, device="auto", precision="bf16", wire="int8"))
+    args = _daemon_spec(opts, pathlib.Path(tmp_path), 9).to_argv()
     i = args.index("--device")
     assert args[i:i + 6] == ["--device", "auto", "--precision", "bf16", "--wire", "int8"]
     assert _compute_config(opts)["wire"] == "int8" and _compute_config(opts)["device"] == "cpu"

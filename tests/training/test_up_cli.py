@@ -5,19 +5,22 @@ import json
 import pytest
 
 from node.cli import main
-from node.cli.up_runners import UpOptions, run_up
+from dataclasses import replace
+
+from node.cli.up_runners import UP_SPEC, UpOptions, run_up
 
 pytestmark = pytest.mark.timeout(400)
 
 
 async def test_up_writes_curve_summary_and_resumes(tmp_path):
-    opts = UpOptions(iterations=3, out=str(tmp_path), checkpoint_every=2, quiet=True, in_process=True)
+    opts = UpOptions(replace(UP_SPEC, iterations=3, checkpoint_every=2), out=str(tmp_path), quiet=True, in_process=True)
     summary = await run_up(opts)
     assert summary["iterations"] == 3 and summary["nodes"] == 9
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == summary["final_loss"]
     assert summary["final_loss"] < summary["first_loss"]
-    again = await run_up(UpOptions(iterations=4, out=str(tmp_path), resume=True, quiet=True, in_process=True))
+    again = await run_up(UpOptions(replace(UP_SPEC, iterations=4, resume=True), out=str(tmp_path), quiet=True,
+                                   in_process=True))
     assert again["resumed_from"] == 3
     history = json.loads((tmp_path / "history.json").read_text())
     assert [h["iteration"] for h in history] == [0, 1, 2, 3]

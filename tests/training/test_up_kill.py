@@ -14,10 +14,11 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
-from node.cli.up_runners import UpOptions, align_checkpoints, run_up_swarm
+from node.cli.up_runners import UP_SPEC, UpOptions, align_checkpoints, run_up_swarm
 from node.errors import UserError
 from node.net.rpc import call_http
 
@@ -29,9 +30,10 @@ VICTIM = 2  # node2: the second replica of stage 1
 
 
 def _opts(out, iterations, resume=False):
-    return UpOptions(iterations=iterations, out=str(out), num_stages=3, replicas="2,1", data_nodes=1,
-                     path_length=3, microbatches=2, checkpoint_every=2, quiet=True, heartbeat_s=1.0,
-                     resume=resume, start_timeout_s=400.0, stall_timeout_s=400.0)
+    spec = replace(UP_SPEC, iterations=iterations, num_stages=3, path_length=3, microbatches=2, checkpoint_every=2,
+                   heartbeat=1.0, resume=resume)
+    return UpOptions(spec, out=str(out), replicas="2,1", data_nodes=1, quiet=True, start_timeout_s=400.0,
+                     stall_timeout_s=400.0)
 
 
 def _committed(ready) -> int:

@@ -5,13 +5,15 @@ import json
 import pytest
 
 from node.cli import main
-from node.cli.up_runners import UpOptions, _layout, run_up
+from dataclasses import replace
+
+from node.cli.up_runners import UP_SPEC, UpOptions, _layout, run_up
 
 pytestmark = pytest.mark.timeout(400)
 
 
 def test_up_num_stages_resizes_the_model_and_the_default_replicas():
-    mcfg, data, replicas = _layout(UpOptions(num_stages=4))
+    mcfg, data, replicas = _layout(UpOptions(replace(UP_SPEC, num_stages=4)))
     assert mcfg.n_stages == 4 and mcfg.layers_per_stage == 1 and replicas == [2, 2, 1]
     assert data.tokenizer == "byte" and data.tokenizer_hash and mcfg.vocab_size == 256
 
@@ -20,7 +22,7 @@ def test_up_model_config_file(tmp_path):
     f = tmp_path / "m.json"
     f.write_text(json.dumps({"layers": 6, "d_model": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "context": 32,
                              "stages": 3}))
-    mcfg, data, replicas = _layout(UpOptions(model_config=str(f), path_length=3))
+    mcfg, data, replicas = _layout(UpOptions(replace(UP_SPEC, model_config=f, path_length=3)))
     assert (mcfg.n_stages, mcfg.layers_per_stage, mcfg.d_model, data.seq_len) == (3, 2, 32, 32)
     assert replicas == [2, 2]
 
@@ -38,6 +40,6 @@ def test_up_rejects_bad_model_flags_with_one_line(extra, message, capsys, tmp_pa
 
 
 async def test_up_in_process_trains_on_four_stages(tmp_path):
-    summary = await run_up(UpOptions(iterations=2, out=str(tmp_path), num_stages=4, data_nodes=1, replicas="1",
-                                     path_length=3, microbatches=2, quiet=True, in_process=True))
+    spec = replace(UP_SPEC, iterations=2, num_stages=4, path_length=3, microbatches=2)
+    summary = await run_up(UpOptions(spec, out=str(tmp_path), data_nodes=1, replicas="1", quiet=True, in_process=True))
     assert summary["n_stages"] == 4 and summary["nodes"] == 4 and summary["iterations"] == 2
