@@ -28,6 +28,7 @@ import torch
 from node.errors import UserError
 from node.net.records import rejected_counts
 from node.train.agreement import RepinEpoch, RunAgreement, training_summary
+from node.train.checkpoint import CheckpointDiskFull
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
 from node.train.staleness import run_unless_stale
@@ -256,6 +257,11 @@ class TrainerService:
             if self.daemon is not None:  # the swarm must stop counting on this node (and on its state)
                 with contextlib.suppress(Exception):
                     await self.daemon.report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            if isinstance(e, CheckpointDiskFull) and self.trainer is not None:
+                # a node that leaves for a full disk is otherwise sound: close its data plane and averager,
+                # so its peers' hops to it fail at once (and re-route) instead of running into deadlines
+                with contextlib.suppress(Exception):
+                    await self.trainer.shutdown()
         finally:
             self.done.set()
 

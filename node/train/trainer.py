@@ -35,6 +35,7 @@ from typing import Callable, List, Optional, Tuple
 from node.net.records import finished_key, norm_key, start_key
 from node.train.averaging import StageAverager
 from node.train.build import data_shard, hop_deadlines, microbatch_guard, rebuild_averager
+from node.train.checkpoint import CheckpointDiskFull
 from node.train.common import (IterationState, IterationStats, JoinFailed, LeftSchedule, Lifecycle, NodeKilled,
                                NodeLog, TrainerConfig, TrainingStalled, arrival_time)
 from node.train.commit import IterationCommit
@@ -144,7 +145,7 @@ class TrainerNode:
                                       sender=self.sender, life=life, pipeline=self.pipeline,
                                       memory_slots=lambda: self.memory_slots, metrics=metrics)
         self.stage_state = StageState(config, **common, health=self.health, resources=self.resources, life=life,
-                                      compute=self.pipeline.compute, p2p=p2p, dht=dht)
+                                      compute=self.pipeline.compute, p2p=p2p, dht=dht, faults=faults)
         self.commit = IterationCommit(config, **common, health=self.health, resources=self.resources,
                                       sender=self.sender, compute=self.pipeline.compute,
                                       expected_state=self.stage_state.expected, p2p=p2p, dht=dht, faults=faults,
@@ -476,7 +477,10 @@ class TrainerNode:
             return
         self._shutdown_started = time.monotonic()
         if not self.killed:
-            await self.save_checkpoint()
+            try:
+                await self.save_checkpoint()
+            except CheckpointDiskFull as e:  # the last good checkpoint stays; the rest still closes
+                self.log.error("%s", e)
             self.lifecycle = Lifecycle.CLOSED
         await self.recovery.stop_monitor()
         await self.pipeline.close()
