@@ -1,4 +1,4 @@
-"""Per-hop deadlines of microbatches, from the scheduler's cost model.
+"""Deadlines of microbatches: from observed round trips once there are enough, else from the cost model.
 
 Why not a fixed timeout: a hop on a 5 ms LAN link and one across an ocean at 100 MB/s differ by
 two orders of magnitude, so any constant is either too slow to notice a dead LAN peer or fires on
@@ -8,19 +8,29 @@ slack factor and floored; a microbatch's deadline is the sum of its route's hop 
 queueing the simulator predicts for the whole schedule (microbatches wait behind each other at
 busy nodes, which a single-path sum cannot see). Only the data node enforces it: it is the one
 place that sees a microbatch from its first forward to its last backward.
+
+The cost model is only a model: on a box shared with other work a microbatch took 5x its estimate,
+and fixed budgets dropped microbatch after microbatch. So the data node also keeps the round trips
+it measured on each route (:class:`ObservedBudgets`) and, once a route has enough of them, gives its
+microbatches ``median + k x MAD`` of those (:func:`robust_budget`), within a floor and a cap. Median and
+MAD, not mean and deviation: one stalled microbatch must not double every later budget. A microbatch
+that misses its deadline counts with the time it was given (a lower bound of its real time), so a
+swarm that slowed down for good raises its budgets within a few misses instead of dropping forever.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Hashable, Optional, Sequence, Tuple
 
 from scheduler.cost import CostMatrix
 from scheduler.schedule import Schedule
 from scheduler.simulator import simulate
 
-__all__ = ["DeadlineConfig", "HopDeadlines"]
+__all__ = ["DeadlineConfig", "HopDeadlines", "ObservedDeadlineConfig", "ObservedBudgets", "robust_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,3 +108,82 @@ class HopDeadlines:
         for a, b in zip(route, route[1:]):
             total += self.hop_budget_s(a, b, "forward") + self.hop_budget_s(b, a, "backward")
         return total
+
+
+@dataclass(frozen=True)
+class ObservedDeadlineConfig:
+    """How observed round trips become budgets (see the module docstring)."""
+
+    #: False: the cost model's budgets only (the control run of a straggler benchmark)
+    enabled: bool = True
+    #: round trips kept per route: about ten iterations of one data node's microbatches on a route, recent
+    #: enough to follow a change of load within a few iterations, many enough that the median ignores
+    #: the odd stalled or dropped microbatch
+    window: int = 48
+    #: below this many samples of a route the cost model's budget applies: the MAD of a few values is
+    #: no measure of spread (it is 0 for two equal ones)
+    min_samples: int = 8
+    #: MADs above the median. For normally spread times one MAD is ~0.67 standard deviations, so 8 MADs
+    #: are ~5 of them; load spikes have heavier tails, which ``min_ratio`` and ``floor_s`` absorb
+    k: float = 8.0
+    #: the budget is at least this many times the median: the MAD is 0 when recent times are all equal
+    #: (a tiny model on an idle box), and a microbatch may still wait once behind another at a busy hop
+    min_ratio: float = 1.5
+    #: no budget below this (the cost model's own per-microbatch floor): a GC pause, a slow stream
+    #: open or a thread hand-off on a loaded box takes ~0.1-1 s each, several per route
+    floor_s: float = 5.0
+    #: no budget above this: a microbatch two minutes late (25x the median iteration of ``skippipe up``
+    #: on a box at load 12-16) is lost, not slow; the trainer also caps every budget at a fraction of
+    #: its iteration timeout
+    cap_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.window < self.min_samples or self.min_samples < 3:
+            raise ValueError(f"need window >= min_samples >= 3: {self}")
+        if not (0.0 <= self.k and 1.0 <= self.min_ratio and 0.0 < self.floor_s <= self.cap_s):
+            raise ValueError(f"need k >= 0, min_ratio >= 1 and 0 < floor_s <= cap_s: {self}")
+
+
+def robust_budget(samples: Sequence[float], cfg: ObservedDeadlineConfig) -> float:
+    """``median + k x MAD`` of ``samples`` (seconds), at least ``min_ratio x median``, within
+    ``[floor_s, cap_s]``. Pure: the same samples in any order give the same budget."""
+    values = sorted(float(x) for x in samples)
+    if not values:
+        raise ValueError("no samples")
+    med = statistics.median(values)
+    mad = statistics.median(sorted(abs(x - med) for x in values))
+    return min(cfg.cap_s, max(cfg.floor_s, med + cfg.k * mad, med * cfg.min_ratio))
+
+
+class ObservedBudgets:
+    """Recent round trips per key (a data node's routes) and the budgets they give."""
+
+    def __init__(self, cfg: ObservedDeadlineConfig = ObservedDeadlineConfig()):
+        self.cfg = cfg
+        self._windows: Dict[Hashable, Deque[float]] = {}
+        self.last: Optional[Tuple[str, float]] = None  # (basis: "observed" or "cost model", budget) last given
+
+    def observe(self, key: Hashable, seconds: float) -> None:
+        """One round trip of ``seconds`` on ``key`` (a missed deadline counts with the time it was given)."""
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = collections.deque(maxlen=self.cfg.window)
+        window.append(max(0.0, float(seconds)))
+
+    def samples(self, key: Hashable) -> Tuple[float, ...]:
+        return tuple(self._windows.get(key, ()))
+
+    def budget_s(self, key: Hashable) -> Optional[float]:
+        """The observed budget of ``key``; None until it has ``min_samples`` round trips."""
+        window = self._windows.get(key)
+        if not self.cfg.enabled or window is None or len(window) < self.cfg.min_samples:
+            return None
+        return robust_budget(window, self.cfg)
+
+    def report(self) -> dict:
+        """What the training RPC shows: the routes with a budget from observation, and the last budget given."""
+        observed = [k for k, w in self._windows.items() if len(w) >= self.cfg.min_samples and self.cfg.enabled]
+        return {"routes_observed": len(observed), "routes_seen": len(self._windows),
+                "last_basis": self.last[0] if self.last else None,
+                "last_budget_s": round(self.last[1], 3) if self.last else None,
+                "observed_budgets_s": sorted(round(robust_budget(self._windows[k], self.cfg), 3) for k in observed)}

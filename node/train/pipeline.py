@@ -280,6 +280,7 @@ class MicrobatchPipeline:
         if pending.get(msg.mb.index) is not p:
             return
         pending.pop(msg.mb.index, None)
+        self.recovery.completed(p)
         st = self.progress.state(msg.mb.iteration)
         for peer in msg.route[:-1]:
             st.visits[peer] += 1

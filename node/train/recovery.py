@@ -17,6 +17,7 @@ import time
 from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from node.train.common import IterationState, NodeLog, Pending, mb_key, mb_name
+from node.train.deadlines import ObservedBudgets
 from protocol import ActivationMessage, HopFailure, IterationDone
 
 __all__ = ["RouteRecovery"]
@@ -46,6 +47,8 @@ class RouteRecovery:
         self.reroutes = 0
         self.skips = 0
         self.drops = 0
+        #: data node: round trips measured per route, which set its budgets once there are enough
+        self.observed = ObservedBudgets(cfg.observed_deadlines)
         self._monitor_task: Optional[asyncio.Task] = None
 
     def watch_norms_with(self, done_from_norms: Callable[[int, IterationState, float], Awaitable[float]]) -> None:
@@ -88,12 +91,22 @@ class RouteRecovery:
                     self.sender.send_control(peer, done)
 
     def budget_s(self, route) -> float:
-        """The microbatch's deadline budget; the first iteration this trainer runs gets
-        ``first_iteration_deadline_factor`` times more (streams are opened, allocators warm up)."""
-        budget = self.resources.deadlines.microbatch_budget_s(route)
-        if self.progress.first_running():
-            budget *= self.cfg.first_iteration_deadline_factor
-        return min(budget, self.cfg.max_budget_fraction * self.cfg.iteration_timeout_s)
+        """The microbatch's deadline budget: from the round trips observed on ``route`` once there are enough
+        (:class:`node.train.deadlines.ObservedBudgets`), else from the cost model; the cost model's budget of
+        the first iteration this trainer runs is ``first_iteration_deadline_factor`` times longer (streams are
+        opened, allocators warm up)."""
+        budget, basis = self.observed.budget_s(tuple(route)), "observed"
+        if budget is None:
+            budget, basis = self.resources.deadlines.microbatch_budget_s(route), "cost model"
+            if self.progress.first_running():
+                budget *= self.cfg.first_iteration_deadline_factor
+        budget = min(budget, self.cfg.max_budget_fraction * self.cfg.iteration_timeout_s)
+        self.observed.last = (basis, budget)
+        return budget
+
+    def completed(self, p: Pending) -> None:
+        """Data node: microbatch ``p`` is back; its round trip is a sample of its route's budget."""
+        self.observed.observe(tuple(p.route), time.monotonic() - p.started)
 
     # ------------------------------------------------------------------ routing
     def _min_path_stages(self) -> int:
@@ -254,6 +267,9 @@ class RouteRecovery:
                         if dead:
                             self.fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
                         elif now > p.deadline:
+                            # its real round trip is longer still: counted as this, a lasting slow-down
+                            # raises the budgets of its route within a few misses
+                            self.observed.observe(tuple(p.route), now - p.started)
                             self.fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
                 st = self.progress.open_state(it)
                 if st is not None:

@@ -373,7 +373,9 @@ class TrainerService:
             "left": t.left if t is not None else None,
             "draining": bool(t.draining) if t is not None else False,
             "recovery": ({"reroutes": t.reroutes, "skips": t.skips, "resyncs": t.resyncs,
-                          "retried": sum(s.retried for s in t.history), "dropped": sum(s.dropped for s in t.history)}
+                          "retried": sum(s.retried for s in t.history), "dropped": sum(s.dropped for s in t.history),
+                          # where this data node's microbatch deadlines come from (observed round trips or the cost model)
+                          "deadlines": t.recovery.observed.report()}
                          if t is not None else None),
             # the epoch training runs on now (it changes at iteration boundaries), else the pinned one
             "epoch": (t.epoch.epoch if t is not None and t.epoch is not None

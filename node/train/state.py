@@ -175,9 +175,10 @@ class StageState:
         assert self.resources.runtime is not None
         return ExpectedState.of_module(self.resources.runtime.module)
 
-    async def save(self) -> None:
+    async def save(self, closing: bool = False) -> None:
         """Checkpoint the last committed iteration (once per iteration). A full disk raises
-        :class:`CheckpointDiskFull` once (the last good checkpoint stays); later calls do nothing."""
+        :class:`CheckpointDiskFull` once (the last good checkpoint stays), or only logs it when ``closing``
+        (a shutdown must still close everything else); later calls do nothing."""
         if self.checkpoints is None or self.disk_full is not None or self.progress.committed < 0 \
                 or self.progress.committed == self.last_saved:
             return
@@ -194,7 +195,9 @@ class StageState:
             await self.compute(lambda: self.checkpoints.save(it, state, meta, run_config=run_config, full_after=full))
         except CheckpointDiskFull as e:
             self.disk_full = str(e)
-            raise
+            if not closing:
+                raise
+            self.log.error("%s", e)
         self.last_saved = it
 
     def due(self, it: int) -> bool:

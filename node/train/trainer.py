@@ -35,7 +35,6 @@ from typing import Callable, List, Optional, Tuple
 from node.net.records import finished_key, norm_key, start_key
 from node.train.averaging import StageAverager
 from node.train.build import data_shard, hop_deadlines, microbatch_guard, rebuild_averager
-from node.train.checkpoint import CheckpointDiskFull
 from node.train.common import (IterationState, IterationStats, JoinFailed, LeftSchedule, Lifecycle, NodeKilled,
                                NodeLog, TrainerConfig, TrainingStalled, arrival_time)
 from node.train.commit import IterationCommit
@@ -477,10 +476,7 @@ class TrainerNode:
             return
         self._shutdown_started = time.monotonic()
         if not self.killed:
-            try:
-                await self.save_checkpoint()
-            except CheckpointDiskFull as e:  # the last good checkpoint stays; the rest still closes
-                self.log.error("%s", e)
+            await self.stage_state.save(closing=True)  # a full disk is logged: the rest must still close
             self.lifecycle = Lifecycle.CLOSED
         await self.recovery.stop_monitor()
         await self.pipeline.close()
