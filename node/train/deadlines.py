@@ -181,9 +181,13 @@ class ObservedBudgets:
         return robust_budget(window, self.cfg)
 
     def report(self) -> dict:
-        """What the training RPC shows: the routes with a budget from observation, and the last budget given."""
-        observed = [k for k, w in self._windows.items() if len(w) >= self.cfg.min_samples and self.cfg.enabled]
-        return {"routes_observed": len(observed), "routes_seen": len(self._windows),
-                "last_basis": self.last[0] if self.last else None,
-                "last_budget_s": round(self.last[1], 3) if self.last else None,
-                "observed_budgets_s": sorted(round(robust_budget(self._windows[k], self.cfg), 3) for k in observed)}
+        """What the training RPC shows: the basis and size of the last budget given, and per route seen the
+        samples kept, their median and MAD, and the budget they give (None below ``min_samples``)."""
+        routes = []
+        for key, window in self._windows.items():
+            med = statistics.median(window)
+            routes.append({"route": [str(p)[-8:] for p in key] if isinstance(key, tuple) else str(key),
+                           "samples": len(window), "median_s": med,
+                           "mad_s": statistics.median([abs(x - med) for x in window]), "budget_s": self.budget_s(key)})
+        return {"last_basis": self.last[0] if self.last else None, "last_budget_s": self.last[1] if self.last else None,
+                "routes": routes}

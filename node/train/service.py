@@ -254,6 +254,9 @@ class TrainerService:
             else:
                 self.log.exception("training stopped with an error")
             self.error, self.state = e, ServiceState.ERROR
+            if isinstance(e, CheckpointDiskFull) and self.trainer is not None:
+                # the hops queued here go back to their data nodes now, not at their deadlines
+                self.trainer.pipeline.refuse_all("its checkpoint disk is full")
             if self.daemon is not None:  # the swarm must stop counting on this node (and on its state)
                 with contextlib.suppress(Exception):
                     await self.daemon.report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)

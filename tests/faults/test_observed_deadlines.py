@@ -110,4 +110,5 @@ def test_the_data_node_budgets_from_observed_round_trips_once_it_has_enough(enab
     assert 23.5 + 8 * 2.0 - 0.1 <= budget <= 23.5 + 8 * 2.0 + 0.1
     assert recovery.budget_s(("d", "b", "a", "d")) == pytest.approx(model)  # another route: no samples yet
     report = recovery.observed.report()
-    assert report["routes_observed"] == 1 and report["last_basis"] == "cost model"
+    assert report["last_basis"] == "cost model" and len(report["routes"]) == 1
+    assert report["routes"][0]["median_s"] == pytest.approx(23.5, abs=0.1) and report["routes"][0]["budget_s"] == budget

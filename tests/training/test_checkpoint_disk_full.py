@@ -113,3 +113,35 @@ def test_a_real_full_tmpfs_keeps_the_last_good_checkpoint(tmp_path):
     assert out["error"] is not None, "the second checkpoint fit: the tmpfs is too large for this test"
     assert out["error"].startswith("disk full: ") and "\n" not in out["error"], out
     assert out["iteration"] == 1 and out["same"] and out["files"] == ["node-a.pt"], out
+
+
+def test_a_leaving_node_hands_its_queued_hops_back_to_their_data_nodes():
+    """The hops queued at a node whose disk filled (and those that still come) are reported failed to their
+    data nodes, which recompute them elsewhere at once instead of at their deadlines."""
+    from types import SimpleNamespace
+
+    from node.train.common import TrainerConfig
+    from node.train.pipeline import MicrobatchPipeline
+    from protocol import ActivationMessage, HopFailure, MicrobatchId, TensorFrame
+
+    sent = []
+    progress = SimpleNamespace(current=4, committed=3)
+    pipeline = MicrobatchPipeline(TrainerConfig(run_id="r"), peer_id="me", node_name="me", epochs=None,
+                                  progress=progress, resources=None,
+                                  sender=SimpleNamespace(send_control=lambda peer, msg: sent.append((peer, msg))),
+                                  life=None, memory_slots=lambda: 1)
+    try:
+        frame = TensorFrame.from_tensor(torch.zeros(2))
+
+        def hop(data_node, index):
+            return ActivationMessage(MicrobatchId("r", 1, 4, data_node, index, 0), 1, (data_node, "me", data_node), frame)
+
+        pipeline.on_hop(hop("d1", 0))  # iteration 4 has not opened here: it waits
+        assert not sent
+        assert pipeline.refuse_all("its checkpoint disk is full") == 1
+        pipeline.on_hop(hop("d2", 1))  # one that comes later
+        assert [(peer, type(m), m.mb.index, m.peer_id) for peer, m in sent] == [
+            ("d1", HopFailure, 0, "me"), ("d2", HopFailure, 1, "me")]
+        assert all(m.reason == "its checkpoint disk is full" for _, m in sent)
+    finally:
+        pipeline.stop_compute()
