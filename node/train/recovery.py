@@ -95,9 +95,10 @@ class RouteRecovery:
         (:class:`node.train.deadlines.ObservedBudgets`), else from the cost model; the cost model's budget of
         the first iteration this trainer runs is ``first_iteration_deadline_factor`` times longer (streams are
         opened, allocators warm up)."""
-        budget, basis = self.observed.budget_s(tuple(route)), "observed"
+        deadlines = self.resources.deadlines
+        budget, basis = self.observed.budget_s(tuple(route), deadlines.floors_s(route)), "observed"
         if budget is None:
-            budget, basis = self.resources.deadlines.microbatch_budget_s(route), "cost model"
+            budget, basis = deadlines.microbatch_budget_s(route), "cost model"
             if self.progress.first_running():
                 budget *= self.cfg.first_iteration_deadline_factor
         budget = min(budget, self.cfg.max_budget_fraction * self.cfg.iteration_timeout_s)

@@ -63,6 +63,7 @@ def test_a_full_checkpoint_disk_leaves_cleanly_and_deadlines_follow_observation(
     observed = [r for r in deadlines["routes"] if r["budget_s"] is not None]
     assert observed, deadlines
     for r in observed:  # the budget is what the measured round trips give, recomputed from their median and MAD
-        want = min(cfg.cap_s, max(cfg.floor_s, r["median_s"] + cfg.k * r["mad_s"], r["median_s"] * cfg.min_ratio))
+        want = min(cfg.cap_s, max(cfg.floor_s, r["floor_s"], r["median_s"] + cfg.k * r["mad_s"],
+                                  r["median_s"] * cfg.min_ratio))
         assert r["samples"] >= cfg.min_samples and r["budget_s"] == pytest.approx(want), r
     assert deadlines["last_budget_s"] in [r["budget_s"] for r in observed], deadlines

@@ -30,9 +30,10 @@ def test_the_budget_is_monotone_in_k(xs, cfg, k1, k2):
 
 
 @settings(max_examples=60, deadline=None)
-@given(samples, configs)
-def test_the_budget_stays_within_floor_and_cap(xs, cfg):
+@given(samples, configs, st.floats(0.0, 50.0))
+def test_the_budget_stays_within_floor_and_cap(xs, cfg, route_floor):
     assert cfg.floor_s <= robust_budget(xs, cfg) <= cfg.cap_s
+    assert min(cfg.cap_s, max(cfg.floor_s, route_floor)) <= robust_budget(xs, cfg, route_floor) <= cfg.cap_s
 
 
 @settings(max_examples=60, deadline=None)
@@ -109,6 +110,12 @@ def test_the_data_node_budgets_from_observed_round_trips_once_it_has_enough(enab
     assert recovery.observed.last == ("observed", budget) and budget != model
     assert 23.5 + 8 * 2.0 - 0.1 <= budget <= 23.5 + 8 * 2.0 + 0.1
     assert recovery.budget_s(("d", "b", "a", "d")) == pytest.approx(model)  # another route: no samples yet
+    fast = ("d", "a", "d")  # round trips of 10 ms: the route's floors of the cost model still apply
+    for i in range(recovery.cfg.observed_deadlines.min_samples):
+        recovery.completed(Pending(i, 0, fast, deadline=now + 60, started=time.monotonic() - 0.01))
+    assert recovery.budget_s(fast) == recovery.resources.deadlines.floors_s(fast) == 5.0 + 2 * 1.0 * 2
+    assert recovery.observed.last[0] == "observed"
+    recovery.budget_s(route)
     report = recovery.observed.report()
-    assert report["last_basis"] == "cost model" and len(report["routes"]) == 1
+    assert report["last_basis"] == "observed" and len(report["routes"]) == 2
     assert report["routes"][0]["median_s"] == pytest.approx(23.5, abs=0.1) and report["routes"][0]["budget_s"] == budget
