@@ -261,17 +261,7 @@ class RouteRecovery:
             try:
                 data_node = self.epochs.stage == 0
                 if data_node:
-                    gone = self.health.gone({r for p in self.pending.values() for r in p.route}, now,
-                                            self.cfg.left_grace_s)
-                    for p in list(self.pending.values()):
-                        dead = [r for r in p.route if r in gone]
-                        if dead:
-                            self.fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
-                        elif now > p.deadline:
-                            # its real round trip is longer still: counted as this, a lasting slow-down
-                            # raises the budgets of its route within a few misses
-                            self.observed.observe(tuple(p.route), now - p.started)
-                            self.fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
+                    self.expire(now)
                 st = self.progress.open_state(it)
                 if st is not None:
                     self.progress.check_done(st)
@@ -286,6 +276,19 @@ class RouteRecovery:
             except Exception:  # noqa: BLE001 - the monitor is what un-stalls an iteration: it must not die
                 self.log.exception("iteration monitor failed; going on")
             await asyncio.sleep(self.cfg.liveness_poll_s)
+
+    def expire(self, now: float) -> None:
+        """Data node: fail its microbatches routed through a node gone for ``left_grace_s`` or past their deadline."""
+        gone = self.health.gone({r for p in self.pending.values() for r in p.route}, now, self.cfg.left_grace_s)
+        for p in list(self.pending.values()):
+            dead = [r for r in p.route if r in gone]
+            if dead:
+                self.fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
+            elif now > p.deadline:
+                # its real round trip is longer still: counted as this, a lasting slow-down raises the
+                # budgets of its route within a few misses
+                self.observed.observe(tuple(p.route), now - p.started)
+                self.fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
 
     def _report_stall(self, it: int) -> None:
         """Log what an iteration that has been open for long still waits for."""

@@ -119,3 +119,27 @@ def test_the_data_node_budgets_from_observed_round_trips_once_it_has_enough(enab
     report = recovery.observed.report()
     assert report["last_basis"] == "observed" and len(report["routes"]) == 2
     assert report["routes"][0]["median_s"] == pytest.approx(23.5, abs=0.1) and report["routes"][0]["budget_s"] == budget
+
+
+def test_a_missed_deadline_counts_with_the_time_it_was_given_and_raises_the_budget():
+    """A swarm that slowed down for good: every microbatch misses its observed budget; counted at the time they
+    were given (a lower bound of their real round trips), the misses raise the route's budget."""
+    recovery = _recovery(ObservedDeadlineConfig(window=8, min_samples=4))
+    recovery.health = SimpleNamespace(gone=lambda peers, now, grace: set())
+    failed = []
+    recovery.fail_microbatch = lambda p, why: (failed.append(why), recovery.pending.pop(p.index))
+    route = ("d", "a", "b", "d")
+    t0 = time.monotonic()
+    for i in range(4):
+        recovery.completed(Pending(i, 0, route, deadline=t0 + 60, started=t0 - 20.0))
+    budgets = [recovery.budget_s(route)]
+    for i in range(8):
+        started = t0 + 1000 * i
+        recovery.pending[i] = Pending(i, 0, route, deadline=started + budgets[-1], started=started)
+        recovery.expire(started + budgets[-1] + 0.25)  # not back in time
+        budgets.append(recovery.budget_s(route))
+    assert len(failed) == 8 and all("deadline of" in why for why in failed)
+    assert budgets == sorted(budgets) and budgets[-1] > budgets[0] * 2, budgets
+    recovery.pending[9] = Pending(9, 0, route, deadline=t0 + 10, started=t0)
+    recovery.expire(t0 + 5)  # in time: nothing happens
+    assert len(failed) == 8 and 9 in recovery.pending
