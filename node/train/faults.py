@@ -80,7 +80,8 @@ class FaultRule:
             raise UserError(f"fault rule has a negative iteration/hop/delay or times < 1: {self}")
 
     def matches(self, iteration: int, hop: int, direction: str, microbatch: int) -> bool:
-        return (self.times > 0 and self.action not in NOT_AT_HOPS and iteration == self.iteration and (self.hop is None or hop == self.hop)
+        return (self.times > 0 and self.action not in NOT_AT_HOPS and iteration == self.iteration
+                and (self.hop is None or hop == self.hop)
                 and self.direction in ("any", direction)
                 and (self.microbatch is None or microbatch == self.microbatch))
 
