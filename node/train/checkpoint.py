@@ -18,6 +18,10 @@ line (:class:`CheckpointOldFormat`) that names the converter, ``skippipe checkpo
 (:func:`convert_checkpoint`), which reads them with ``torch.load(weights_only=True)`` (tensors and
 plain containers only: no code runs) and rewrites them in format 3.
 
+A full disk (``ENOSPC``, or ``EDQUOT`` for a spent quota) fails the write of the temp file, which is
+removed; the last good checkpoint stays as it was, and the save raises :class:`CheckpointDiskFull`, one
+line that says "disk full" and names the file (a node cannot keep its progress, so it leaves the swarm).
+
 A crash between ``mkstemp`` and ``os.replace`` leaves a ``<name>.pt.<random>.tmp`` file behind: the
 first :meth:`CheckpointStore.save` of a process removes this replica's strays
 (:func:`clean_stray_temp_files` does it for a whole folder).
@@ -25,6 +29,8 @@ first :meth:`CheckpointStore.save` of a process removes this replica's strays
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -38,8 +44,8 @@ from node.dataplane.state_codec import ExpectedState, StateCodecError, decode_st
 from node.errors import UserError
 
 __all__ = ["Checkpoint", "CheckpointStore", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointOldFormat",
-           "atomic_write", "read_checkpoint_file", "convert_checkpoint", "clean_stray_temp_files",
-           "check_run_config", "FORMAT_VERSION"]
+           "CheckpointDiskFull", "is_disk_full", "atomic_write", "read_checkpoint_file", "convert_checkpoint",
+           "clean_stray_temp_files", "check_run_config", "FORMAT_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +84,36 @@ class CheckpointOldFormat(CheckpointCorrupt):
                                  f"convert {self.path}")
 
 
+#: errno values that mean "no room to write": the disk is full, or this user's quota on it is spent
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """``e`` (or an error it was raised from) says there is no room left to write. Checks the errno,
+    and the OS's message text too: torch's and safetensors' writers wrap the OS error in a
+    ``RuntimeError`` that keeps only its text."""
+    texts = tuple(os.strerror(n) for n in DISK_FULL_ERRNOS)
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return True
+        if any(t in str(e) for t in texts):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class CheckpointDiskFull(UserError):
+    """A checkpoint that could not be written because its disk is full (or the quota spent). The temp
+    file is gone and the previous checkpoint is untouched; ``str()`` is one line that says "disk full"."""
+
+    def __init__(self, path: os.PathLike, reason: str):
+        self.path, self.reason = pathlib.Path(path), reason
+        super().__init__(f"disk full: cannot write checkpoint {self.path} ({reason}); the last good checkpoint "
+                         "is kept (free some space, then restart this node with --resume)")
+
+
 class CheckpointMismatch(UserError):
     """A sound checkpoint of another run configuration (``--resume`` with other hyper-parameters)."""
 
@@ -100,26 +136,37 @@ def _fsync_dir(folder: pathlib.Path) -> None:
         os.close(dir_fd)
 
 
-def atomic_write(body: bytes, path: pathlib.Path) -> str:
-    """Write ``body`` behind a format-3 header at ``path`` atomically; returns the body's SHA-256 (hex)."""
+def atomic_write(body: bytes, path: pathlib.Path, *, full_after: Optional[int] = None) -> str:
+    """Write ``body`` behind a format-3 header at ``path`` atomically; returns the body's SHA-256 (hex).
+
+    :class:`CheckpointDiskFull` if the disk has no room (``path`` is then as it was). ``full_after``
+    (fault injection, :mod:`node.train.faults`): the disk fills after that many bytes of the temp file."""
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     sha = hashlib.sha256(body)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), sha.digest())
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), sha.digest()))
+            if full_after is not None:
+                f.write((head + body)[:full_after])
+                f.flush()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+            f.write(head)
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        tmp = None
+        _fsync_dir(path.parent)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, Exception) and is_disk_full(e):
+            raise CheckpointDiskFull(path, _first_line(e)) from None
         raise
-    _fsync_dir(path.parent)
     return sha.hexdigest()
 
 
@@ -219,7 +266,8 @@ def convert_checkpoint(path: os.PathLike) -> bool:
 
 
 def write_checkpoint(path: pathlib.Path, iteration: int, stage: int, state: Dict[str, Any],
-                     meta: Dict[str, Any], run_config: Optional[Dict[str, Any]]) -> str:
+                     meta: Dict[str, Any], run_config: Optional[Dict[str, Any]], *,
+                     full_after: Optional[int] = None) -> str:
     """Encode and atomically write one format-3 checkpoint; returns its body's SHA-256 (hex)."""
     manifest = {"format": FORMAT_VERSION, "iteration": int(iteration), "stage": int(stage), "meta": dict(meta),
                 "run_config": dict(run_config) if run_config is not None else None}
@@ -227,7 +275,7 @@ def write_checkpoint(path: pathlib.Path, iteration: int, stage: int, state: Dict
         body = encode_state(state, manifest)
     except StateCodecError as e:
         raise ValueError(f"cannot checkpoint this state: {e}") from None
-    return atomic_write(body, path)
+    return atomic_write(body, path, full_after=full_after)
 
 
 def _first_line(e: BaseException) -> str:
@@ -289,10 +337,13 @@ class CheckpointStore:
         return clean_stray_temp_files(self.path.parent, self.path.name)
 
     def save(self, iteration: int, state: Dict[str, Any], meta: Optional[Dict[str, Any]] = None,
-             run_config: Optional[Dict[str, Any]] = None) -> pathlib.Path:
+             run_config: Optional[Dict[str, Any]] = None, *, full_after: Optional[int] = None) -> pathlib.Path:
+        """Write the checkpoint of ``iteration`` atomically; :class:`CheckpointDiskFull` (the previous file
+        kept) when the disk has no room. ``full_after``: fault injection, see :func:`atomic_write`."""
         if not self._cleaned:
             self.clean_stray_temp_files()
-        digest = write_checkpoint(self.path, iteration, self.stage, state, dict(meta or {}), run_config)
+        digest = write_checkpoint(self.path, iteration, self.stage, state, dict(meta or {}), run_config,
+                                  full_after=full_after)
         logger.debug("checkpoint of stage %d at iteration %d -> %s (sha256 %s)", self.stage, iteration, self.path,
                      digest[:16])
         return self.path

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 from node.spec import DEFAULT_ITERATION_TIMEOUT_S
 from node.train.averaging import AveragingConfig
 from node.train.data import DataConfig
-from node.train.deadlines import DeadlineConfig
+from node.train.deadlines import DeadlineConfig, ObservedDeadlineConfig
 from node.train.model import MODEL_SIZES, ModelConfig
 from node.train.runtime import OptimConfig
 
@@ -80,6 +80,8 @@ class TrainerConfig:
     norm_record_ttl_s: float = 300.0
     #: per-hop budgets from the cost model (node.train.deadlines); the data node fails a microbatch past them
     deadlines: DeadlineConfig = DeadlineConfig()
+    #: budgets from the round trips a data node measured on each route, once it has enough (median + k x MAD)
+    observed_deadlines: ObservedDeadlineConfig = ObservedDeadlineConfig()
     #: deadlines of a trainer's first iteration are this many times longer: every stream to a
     #: neighbour is opened then and allocators warm up; on a loaded box that took ~3x a steady hop
     first_iteration_deadline_factor: float = 3.0

@@ -25,9 +25,14 @@ docs/training.md, "A bad member"): from iteration ``i`` on, the next ``times`` v
 
 Several ``corrupt`` rules of one target fire one after the other, in the order given.
 
+A ``diskfull`` rule fills the node's checkpoint disk: the first checkpoint it writes after iteration
+``i`` or later fails half-way with ``ENOSPC`` (rehearsing a full disk: the node keeps its last good
+checkpoint and leaves the swarm).
+
 Spec syntax (``--inject``, repeatable): ``ACTION@iteration=I[,hop=J][,direction=forward|backward]``
 ``[,microbatch=M][,delay=S][,times=N]``, e.g. ``kill@iteration=3,hop=2,direction=backward``;
-``corrupt@iteration=I,target=T,fill=V|scale=V[,times=N]``, e.g. ``corrupt@iteration=5,target=norm,fill=nan,times=3``.
+``corrupt@iteration=I,target=T,fill=V|scale=V[,times=N]``, e.g. ``corrupt@iteration=5,target=norm,fill=nan,times=3``;
+``diskfull@iteration=I``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ __all__ = ["FaultRule", "FaultInjector", "parse_fault", "corrupted", "ACTIONS", 
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("drop", "delay", "kill", "corrupt")
+ACTIONS = ("drop", "delay", "kill", "corrupt", "diskfull")
+#: Actions that do not fire at a hop (they tamper with values, or with the checkpoint disk).
+NOT_AT_HOPS = ("corrupt", "diskfull")
 DIRECTIONS = ("forward", "backward", "any")
 #: What a ``corrupt`` rule tampers with (see the module docstring).
 TARGETS = ("activations", "gradients", "average", "norm")
@@ -73,7 +80,8 @@ class FaultRule:
             raise UserError(f"fault rule has a negative iteration/hop/delay or times < 1: {self}")
 
     def matches(self, iteration: int, hop: int, direction: str, microbatch: int) -> bool:
-        return (self.times > 0 and self.action != "corrupt" and iteration == self.iteration and (self.hop is None or hop == self.hop)
+        return (self.times > 0 and self.action not in NOT_AT_HOPS and iteration == self.iteration
+                and (self.hop is None or hop == self.hop)
                 and self.direction in ("any", direction)
                 and (self.microbatch is None or microbatch == self.microbatch))
 
@@ -139,6 +147,16 @@ class FaultInjector:
                                f"fill {rule.fill}" if rule.fill is not None else f"scale {rule.scale}")
                 return rule
         return None
+
+    def disk_full(self, iteration: int) -> bool:
+        """A ``diskfull`` rule fills the disk for the checkpoint of ``iteration`` (then counted as fired once)."""
+        for rule in self.rules:
+            if rule.action == "diskfull" and rule.times > 0 and iteration >= rule.iteration:
+                rule.times -= 1
+                self.fired.append(("diskfull", iteration))
+                logger.warning("fault injection: the checkpoint disk is full at iteration %d", iteration)
+                return True
+        return False
 
     @staticmethod
     def corrupt_value(rule: Optional[FaultRule], value):

@@ -17,7 +17,7 @@ import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from node.train.common import NodeKilled, NodeLog, Pending, arrival_time, mb_key
-from protocol import ActivationMessage, GradientMessage, MicrobatchId, TensorFrame
+from protocol import ActivationMessage, GradientMessage, HopFailure, MicrobatchId, TensorFrame
 
 __all__ = ["MicrobatchPipeline"]
 
@@ -60,6 +60,8 @@ class MicrobatchPipeline:
         self.open = False  # the current iteration accepts microbatch work
         self.opened = -1  # the last iteration that was opened (its later messages are late, not early)
         self.overcommits = 0  # forwards admitted beyond the memory slots to break a cyclic wait
+        #: why this node takes no more hops (it is leaving, e.g. its disk is full), or None
+        self.refusing: Optional[str] = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="skippipe-compute")
         self._worker_task: Optional[asyncio.Task] = None
 
@@ -77,6 +79,9 @@ class MicrobatchPipeline:
         arrived = arrival_time(time.monotonic(), time.time(), msg.deliver_at_unix, self._emulated_links)
         if msg.route[msg.hop] != self.peer_id:
             self.log.warning("misrouted %s for %s", type(msg).__name__, msg.route[msg.hop][-8:])
+            return
+        if self.refusing is not None:
+            self._refuse(msg)
             return
         it, current = msg.mb.iteration, self.progress.current
         if it > current or (it == current and it > self.opened):
@@ -110,6 +115,23 @@ class MicrobatchPipeline:
         for msg in self._early.pop(it, []):
             self.enqueue(msg)
         self.wakeup.set()
+
+    def refuse_all(self, reason: str) -> int:
+        """This node leaves (``reason``): every hop queued here, and every one that still comes, is reported
+        failed to its data node, which recomputes the microbatch elsewhere at once instead of waiting for
+        its deadline. Returns how many queued hops were handed back."""
+        self.refusing = reason
+        queued = [m for early in self._early.values() for m in early]
+        queued += list(self._forwards) + list(self._returns) + list(self._grads)
+        self._early.clear()
+        self.clear()
+        for msg in queued:
+            self._refuse(msg)
+        return len(queued)
+
+    def _refuse(self, msg) -> None:
+        if msg.mb.data_node != self.peer_id:
+            self.sender.send_control(msg.mb.data_node, HopFailure(msg.mb, msg.hop, self.peer_id, self.refusing))
 
     def clear(self) -> None:
         """Forget queued work of the iteration that just closed."""
@@ -280,6 +302,7 @@ class MicrobatchPipeline:
         if pending.get(msg.mb.index) is not p:
             return
         pending.pop(msg.mb.index, None)
+        self.recovery.completed(p)
         st = self.progress.state(msg.mb.iteration)
         for peer in msg.route[:-1]:
             st.visits[peer] += 1

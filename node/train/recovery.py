@@ -17,6 +17,7 @@ import time
 from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from node.train.common import IterationState, NodeLog, Pending, mb_key, mb_name
+from node.train.deadlines import ObservedBudgets
 from protocol import ActivationMessage, HopFailure, IterationDone
 
 __all__ = ["RouteRecovery"]
@@ -46,6 +47,8 @@ class RouteRecovery:
         self.reroutes = 0
         self.skips = 0
         self.drops = 0
+        #: data node: round trips measured per route, which set its budgets once there are enough
+        self.observed = ObservedBudgets(cfg.observed_deadlines)
         self._monitor_task: Optional[asyncio.Task] = None
 
     def watch_norms_with(self, done_from_norms: Callable[[int, IterationState, float], Awaitable[float]]) -> None:
@@ -88,12 +91,23 @@ class RouteRecovery:
                     self.sender.send_control(peer, done)
 
     def budget_s(self, route) -> float:
-        """The microbatch's deadline budget; the first iteration this trainer runs gets
-        ``first_iteration_deadline_factor`` times more (streams are opened, allocators warm up)."""
-        budget = self.resources.deadlines.microbatch_budget_s(route)
-        if self.progress.first_running():
-            budget *= self.cfg.first_iteration_deadline_factor
-        return min(budget, self.cfg.max_budget_fraction * self.cfg.iteration_timeout_s)
+        """The microbatch's deadline budget: from the round trips observed on ``route`` once there are enough
+        (:class:`node.train.deadlines.ObservedBudgets`), else from the cost model; the cost model's budget of
+        the first iteration this trainer runs is ``first_iteration_deadline_factor`` times longer (streams are
+        opened, allocators warm up)."""
+        deadlines = self.resources.deadlines
+        budget, basis = self.observed.budget_s(tuple(route), deadlines.floors_s(route)), "observed"
+        if budget is None:
+            budget, basis = deadlines.microbatch_budget_s(route), "cost model"
+            if self.progress.first_running():
+                budget *= self.cfg.first_iteration_deadline_factor
+        budget = min(budget, self.cfg.max_budget_fraction * self.cfg.iteration_timeout_s)
+        self.observed.last = (basis, budget)
+        return budget
+
+    def completed(self, p: Pending) -> None:
+        """Data node: microbatch ``p`` is back; its round trip is a sample of its route's budget."""
+        self.observed.observe(tuple(p.route), time.monotonic() - p.started)
 
     # ------------------------------------------------------------------ routing
     def _min_path_stages(self) -> int:
@@ -247,14 +261,7 @@ class RouteRecovery:
             try:
                 data_node = self.epochs.stage == 0
                 if data_node:
-                    gone = self.health.gone({r for p in self.pending.values() for r in p.route}, now,
-                                            self.cfg.left_grace_s)
-                    for p in list(self.pending.values()):
-                        dead = [r for r in p.route if r in gone]
-                        if dead:
-                            self.fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
-                        elif now > p.deadline:
-                            self.fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
+                    self.expire(now)
                 st = self.progress.open_state(it)
                 if st is not None:
                     self.progress.check_done(st)
@@ -269,6 +276,19 @@ class RouteRecovery:
             except Exception:  # noqa: BLE001 - the monitor is what un-stalls an iteration: it must not die
                 self.log.exception("iteration monitor failed; going on")
             await asyncio.sleep(self.cfg.liveness_poll_s)
+
+    def expire(self, now: float) -> None:
+        """Data node: fail its microbatches routed through a node gone for ``left_grace_s`` or past their deadline."""
+        gone = self.health.gone({r for p in self.pending.values() for r in p.route}, now, self.cfg.left_grace_s)
+        for p in list(self.pending.values()):
+            dead = [r for r in p.route if r in gone]
+            if dead:
+                self.fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
+            elif now > p.deadline:
+                # its real round trip is longer still: counted as this, a lasting slow-down raises the
+                # budgets of its route within a few misses
+                self.observed.observe(tuple(p.route), now - p.started)
+                self.fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
 
     def _report_stall(self, it: int) -> None:
         """Log what an iteration that has been open for long still waits for."""

@@ -29,6 +29,7 @@ from node.errors import UserError
 from node.spec import DEFAULT_AGREEMENT_TIMEOUT_S
 from node.net.records import rejected_counts
 from node.train.agreement import RepinEpoch, RunAgreement, training_summary
+from node.train.checkpoint import CheckpointDiskFull
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
 from node.train.staleness import run_unless_stale
@@ -252,9 +253,17 @@ class TrainerService:
             else:
                 self.log.exception("training stopped with an error")
             self.error, self.state = e, ServiceState.ERROR
+            if isinstance(e, CheckpointDiskFull) and self.trainer is not None:
+                # the hops queued here go back to their data nodes now, not at their deadlines
+                self.trainer.pipeline.refuse_all("its checkpoint disk is full")
             if self.daemon is not None:  # the swarm must stop counting on this node (and on its state)
                 with contextlib.suppress(Exception):
                     await self.daemon.report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            if isinstance(e, CheckpointDiskFull) and self.trainer is not None:
+                # a node that leaves for a full disk is otherwise sound: close its data plane and averager,
+                # so its peers' hops to it fail at once (and re-route) instead of running into deadlines
+                with contextlib.suppress(Exception):
+                    await self.trainer.shutdown()
         finally:
             self.done.set()
 
@@ -366,7 +375,9 @@ class TrainerService:
             "left": t.left if t is not None else None,
             "draining": bool(t.draining) if t is not None else False,
             "recovery": ({"reroutes": t.reroutes, "skips": t.skips, "resyncs": t.resyncs,
-                          "retried": sum(s.retried for s in t.history), "dropped": sum(s.dropped for s in t.history)}
+                          "retried": sum(s.retried for s in t.history), "dropped": sum(s.dropped for s in t.history),
+                          # where this data node's microbatch deadlines come from (observed round trips or the cost model)
+                          "deadlines": t.recovery.observed.report()}
                          if t is not None else None),
             # the epoch training runs on now (it changes at iteration boundaries), else the pinned one
             "epoch": (t.epoch.epoch if t is not None and t.epoch is not None

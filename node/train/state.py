@@ -12,7 +12,7 @@ import logging
 from typing import Awaitable, Callable, Optional
 
 from node.dataplane.state_codec import ExpectedState, encode_state, weights_digest, weights_sketch
-from node.train.checkpoint import CheckpointStore, check_run_config
+from node.train.checkpoint import CheckpointDiskFull, CheckpointStore, check_run_config
 from node.train.common import JoinFailed, NodeLog
 
 
@@ -30,21 +30,27 @@ logger = logging.getLogger(__name__)
 #: Seconds a replica spends storing its signed state claim before it answers anyway (the verifier
 #: counts the direct answer when the DHT has no record).
 CLAIM_WRITE_TIMEOUT_S = 10.0
+#: Bytes of the temp file an injected full disk (``diskfull@...``) still takes: a disk fills in the middle
+#: of a write, so the partial temp file must be cleaned up, which this exercises.
+INJECTED_FULL_AFTER_BYTES = 4096
 
 
 class StageState:
     """Checkpoints, mid-run joins and the state server of one trainer."""
 
     def __init__(self, cfg, *, peer_id: str, node_name: str, epochs, progress, health, resources, life,
-                 compute: Callable[..., Awaitable], p2p=None, dht=None):
+                 compute: Callable[..., Awaitable], p2p=None, dht=None, faults=None):
         """``epochs``, ``progress``, ``health``, ``resources``, ``life``: the trainer's epoch tracker,
         :class:`node.train.progress.IterationProgress` (a resume or a join moves it), peer health, stage resources
         (the runtime) and life; ``await compute(fn)`` runs device work on the compute thread; ``p2p``/``dht``:
-        the state server, the download and the signed state claims."""
+        the state server, the download and the signed state claims; ``faults``: an optional
+        :class:`node.train.faults.FaultInjector` (its ``diskfull`` rules fill the checkpoint disk)."""
         self.cfg = cfg
         self.peer_id, self.node_name = peer_id, node_name
         self.epochs, self.progress, self.health, self.resources, self.life = epochs, progress, health, resources, life
-        self.compute, self.p2p, self.dht = compute, p2p, dht
+        self.compute, self.p2p, self.dht, self.faults = compute, p2p, dht, faults
+        #: why checkpoints stopped (the disk is full: one line), or None; no save is tried after that
+        self.disk_full: Optional[str] = None
         self.log = NodeLog(logger, node_name)
         self.checkpoints: Optional[CheckpointStore] = None
         self.server = None
@@ -169,9 +175,12 @@ class StageState:
         assert self.resources.runtime is not None
         return ExpectedState.of_module(self.resources.runtime.module)
 
-    async def save(self) -> None:
-        """Checkpoint the last committed iteration (once per iteration)."""
-        if self.checkpoints is None or self.progress.committed < 0 or self.progress.committed == self.last_saved:
+    async def save(self, closing: bool = False) -> None:
+        """Checkpoint the last committed iteration (once per iteration). A full disk raises
+        :class:`CheckpointDiskFull` once (the last good checkpoint stays), or only logs it when ``closing``
+        (a shutdown must still close everything else); later calls do nothing."""
+        if self.checkpoints is None or self.disk_full is not None or self.progress.committed < 0 \
+                or self.progress.committed == self.last_saved:
             return
         assert self.resources.runtime is not None
         it = self.progress.committed
@@ -181,7 +190,14 @@ class StageState:
                 "peer_id": self.peer_id, "checksum": checksum,
                 "data": dict(vars(self.cfg.data))}  # tokenizer + hash: what eval/export/generate read back
         run_config = checkpoint_run_config(self.cfg)
-        await self.compute(lambda: self.checkpoints.save(it, state, meta, run_config=run_config))
+        full = INJECTED_FULL_AFTER_BYTES if self.faults and self.faults.disk_full(it) else None
+        try:
+            await self.compute(lambda: self.checkpoints.save(it, state, meta, run_config=run_config, full_after=full))
+        except CheckpointDiskFull as e:
+            self.disk_full = str(e)
+            if not closing:
+                raise
+            self.log.error("%s", e)
         self.last_saved = it
 
     def due(self, it: int) -> bool:

@@ -144,7 +144,7 @@ class TrainerNode:
                                       sender=self.sender, life=life, pipeline=self.pipeline,
                                       memory_slots=lambda: self.memory_slots, metrics=metrics)
         self.stage_state = StageState(config, **common, health=self.health, resources=self.resources, life=life,
-                                      compute=self.pipeline.compute, p2p=p2p, dht=dht)
+                                      compute=self.pipeline.compute, p2p=p2p, dht=dht, faults=faults)
         self.commit = IterationCommit(config, **common, health=self.health, resources=self.resources,
                                       sender=self.sender, compute=self.pipeline.compute,
                                       expected_state=self.stage_state.expected, p2p=p2p, dht=dht, faults=faults,
@@ -476,7 +476,7 @@ class TrainerNode:
             return
         self._shutdown_started = time.monotonic()
         if not self.killed:
-            await self.save_checkpoint()
+            await self.stage_state.save(closing=True)  # a full disk is logged: the rest must still close
             self.lifecycle = Lifecycle.CLOSED
         await self.recovery.stop_monitor()
         await self.pipeline.close()
