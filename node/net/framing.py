@@ -10,8 +10,13 @@ huge length, or half a frame and then nothing, costs at most ``max_bytes`` and `
 from __future__ import annotations
 
 import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable
 
-__all__ = ["HEADER_LEN", "FrameTooLarge", "read_frame", "write_frame"]
+__all__ = ["HEADER_LEN", "FrameTooLarge", "read_frame", "write_frame", "stream_caller", "peer_stream_guard"]
+
+logger = logging.getLogger(__name__)
 
 #: hivemind's ``P2P.HEADER_LEN`` (8 bytes, big endian), spelled here so reading needs no hivemind import.
 HEADER_LEN = 8
@@ -51,3 +56,32 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes, *, chunk_size: 
     for offset in range(0, len(view), chunk_size):
         writer.write(view[offset : offset + chunk_size])
     await writer.drain()
+
+
+def stream_caller(stream_info) -> str:
+    """The base58 peer id a stream came from, ``"?"`` when its info names none (logs only)."""
+    try:
+        return stream_info.peer_id.to_base58()
+    except Exception:  # noqa: BLE001 - a malformed stream info must not end the handler before its guard
+        return "?"
+
+
+@asynccontextmanager
+async def peer_stream_guard(what: str, caller: str, writer: asyncio.StreamWriter, on_refused: Callable[[], None],
+                            refusals: tuple = (FrameTooLarge, asyncio.TimeoutError)) -> AsyncIterator[None]:
+    """The body of a stream handler, so that nothing a peer sends escapes it: a broken limit (``refusals``)
+    counts through ``on_refused`` and is logged; a peer hanging up mid-frame is no news; cancellation
+    (the daemon closing) goes through; anything else is logged; the stream is closed in every case."""
+    try:
+        yield
+    except refusals as e:
+        on_refused()
+        logger.debug("%s from %s refused: %r", what, caller[-8:], e)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - nothing a peer sends may escape the handler
+        logger.debug("%s from %s failed", what, caller[-8:], exc_info=True)
+    finally:
+        writer.close()

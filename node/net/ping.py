@@ -20,7 +20,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from node.net.framing import FrameTooLarge, read_frame, write_frame
+from node.net.framing import peer_stream_guard, read_frame, stream_caller, write_frame
 
 __all__ = ["PING_PROTOCOL", "PING_ECHO_MAX_BYTES", "MAX_PING_FRAME_BYTES", "MAX_PING_FRAMES", "PING_FRAME_TIMEOUT_S",
            "PingHandler", "probe_link"]
@@ -49,29 +49,18 @@ class PingHandler:
         self.refused = 0  # streams closed for a limit or the caller (tests, metrics)
 
     async def __call__(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            caller = stream_info.peer_id.to_base58()
-        except Exception:  # noqa: BLE001
-            caller = "?"
-        try:
+        caller = stream_caller(stream_info)
+        async with peer_stream_guard("ping stream", caller, writer, self._refuse):
             if self.allow is not None and not self.allow(caller):
-                self.refused += 1
+                self._refuse()
                 logger.debug("ping from %s refused: not a member", caller[-8:])
                 return
             for _ in range(self.max_frames):
                 data = await read_frame(reader, self.max_frame_bytes, self.frame_timeout_s)
                 await write_frame(writer, data if len(data) <= PING_ECHO_MAX_BYTES else b"\x01")
-        except (FrameTooLarge, asyncio.TimeoutError) as e:
-            self.refused += 1
-            logger.debug("ping stream from %s closed: %r", caller[-8:], e)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - nothing a peer sends may escape the handler
-            logger.debug("ping stream from %s failed", caller[-8:], exc_info=True)
-        finally:
-            writer.close()
+
+    def _refuse(self) -> None:
+        self.refused += 1
 
 
 async def probe_link(p2p, peer_id, payload_bytes: int = 64 * 1024, samples: int = 3,

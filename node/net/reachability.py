@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import msgpack
 from multiaddr import Multiaddr
 
-from node.net.framing import FrameTooLarge, read_frame, write_frame
+from node.net.framing import FrameTooLarge, peer_stream_guard, read_frame, stream_caller, write_frame
 from protocol.messages import MAX_PORT, Reachability
 
 __all__ = ["DIALBACK_PROTOCOL", "MAX_DIALBACK_PORTS", "DIALBACK_CONNECT_TIMEOUT_S", "DialbackHandler",
@@ -46,6 +46,8 @@ MAX_DIALBACK_FRAME_BYTES = 256
 DIALBACK_CONNECT_TIMEOUT_S = 2.0
 #: Seconds the requester waits for one peer's whole answer: the (concurrent) connects plus a slow round trip.
 DIALBACK_ANSWER_TIMEOUT_S = DIALBACK_CONNECT_TIMEOUT_S + 5.0
+#: What refuses a request: a limit broken or a request that is not a list of ports.
+_DIALBACK_REFUSALS = (FrameTooLarge, asyncio.TimeoutError, ValueError, msgpack.UnpackException)
 
 
 def listen_ports(maddrs: Sequence[str]) -> list[int]:
@@ -101,30 +103,19 @@ class DialbackHandler:
         self._busy = 0
 
     async def __call__(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            caller = stream_info.peer_id.to_base58()
-        except Exception:  # noqa: BLE001
-            caller = "?"
-        try:
+        caller = stream_caller(stream_info)
+        async with peer_stream_guard("dial-back request", caller, writer, self._refuse, _DIALBACK_REFUSALS):
             if (self.allow is not None and not self.allow(caller)) or self._busy >= MAX_CONCURRENT_DIALBACKS:
-                self.refused += 1
+                self._refuse()
                 return
             self._busy += 1
             try:
                 await self._answer(stream_info, reader, writer)
             finally:
                 self._busy -= 1
-        except (FrameTooLarge, asyncio.TimeoutError, ValueError, msgpack.UnpackException) as e:
-            self.refused += 1
-            logger.debug("dial-back request from %s refused: %r", caller[-8:], e)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - nothing a peer sends may escape the handler
-            logger.debug("dial-back request from %s failed", caller[-8:], exc_info=True)
-        finally:
-            writer.close()
+
+    def _refuse(self) -> None:
+        self.refused += 1
 
     async def _answer(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = msgpack.unpackb(await read_frame(reader, MAX_DIALBACK_FRAME_BYTES, self.connect_timeout_s),
