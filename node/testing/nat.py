@@ -31,7 +31,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from node.testing.netns import _TBF_BURST, _TBF_LATENCY, _ip, netns_unavailable
+from node.testing.netns import _BridgeLab, _in, _ip, _shape, netns_unavailable
 
 __all__ = ["NatKind", "Home", "NatLab", "nat_unavailable"]
 
@@ -68,17 +68,8 @@ def nat_unavailable() -> str | None:
     return None
 
 
-def _in(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", "netns", "exec", ns, *args], check=check, capture_output=True, text=True)
-
-
-def _shape(ns: str, dev: str, rate_mbit: float) -> None:
-    _in(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", _TBF_BURST,
-        "latency", _TBF_LATENCY)
-
-
 @dataclass
-class NatLab:
+class NatLab(_BridgeLab):
     """``public`` hosts on the internet bridge and one router namespace per entry of ``homes``.
 
     ``name`` is at most 6 letters or digits (interface names have at most 15 characters). Subnets
@@ -107,17 +98,9 @@ class NatLab:
     def hosts(self) -> int:
         return self.public + sum(h.hosts for h in self.homes)
 
-    @property
-    def bridge(self) -> str:
-        return f"{self.name}-br"
-
-    @property
-    def gateway(self) -> str:
-        return f"10.{self.subnet}.0.1"
-
     def namespace(self, index: int) -> str:
         self._check(index)
-        return f"{self.name}-{index}"
+        return super().namespace(index)
 
     def address(self, index: int) -> str:
         """The host's own address (a home host's is private: only its router can reach it)."""
@@ -163,9 +146,7 @@ class NatLab:
         """Create the internet bridge, the public hosts, the routers and the home hosts; on failure undo."""
         try:
             self.down()  # leftovers of a run that was killed before it could clean up
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+            self._make_bridge()
             for i in range(self.public):
                 self._add_on_bridge(self.namespace(i), f"{self.name}v{i}", self.address(i))
             for h, home in enumerate(self.homes):
@@ -176,17 +157,6 @@ class NatLab:
             self.down()
             raise
         return self
-
-    def _add_on_bridge(self, ns: str, outer: str, address: str) -> None:
-        _ip("netns", "add", ns)
-        self.namespaces.append(ns)
-        _ip("link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("link", "set", outer, "master", self.bridge)
-        _ip("link", "set", outer, "up")
-        _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _shape(ns, "eth0", self.rate_mbit)
 
     def _add_router(self, h: int, home: Home) -> None:
         ns = self.router(h)
@@ -228,8 +198,3 @@ class NatLab:
         _ip("link", "del", self.bridge, check=False)
         self.namespaces.clear()
 
-    def __enter__(self) -> "NatLab":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()

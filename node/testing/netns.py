@@ -42,6 +42,62 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
 
+def _in(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command inside namespace ``ns``."""
+    return subprocess.run(["ip", "netns", "exec", ns, *args], check=check, capture_output=True, text=True)
+
+
+def _shape(ns: str, dev: str, rate_mbit: float) -> None:
+    """Cap ``dev``'s egress in ``ns`` at ``rate_mbit`` (tbf: the kernel here has no netem)."""
+    _in(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", _TBF_BURST,
+        "latency", _TBF_LATENCY)
+
+
+class _BridgeLab:
+    """What every lab shares: one bridge ``<name>-br`` at ``10.<subnet>.0.1``, hosts named ``<name>-<i>``,
+    each joined to the bridge by a veth pair and shaped; ``with lab:`` makes it and removes it.
+    Subclasses set ``name``, ``subnet``, ``rate_mbit`` and ``namespaces`` and define ``up``/``down``."""
+
+    name: str
+    subnet: int
+    rate_mbit: float
+    namespaces: list
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.name}-br"
+
+    @property
+    def gateway(self) -> str:
+        return f"10.{self.subnet}.0.1"
+
+    def namespace(self, index: int) -> str:
+        return f"{self.name}-{index}"
+
+    def _make_bridge(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+
+    def _add_on_bridge(self, ns: str, outer: str, address: str) -> None:
+        """Namespace ``ns`` with ``eth0`` at ``address`` on the bridge (outer end ``outer``), egress shaped."""
+        _ip("netns", "add", ns)
+        self.namespaces.append(ns)
+        _ip("link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", outer, "master", self.bridge)
+        _ip("link", "set", outer, "up")
+        _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _shape(ns, "eth0", self.rate_mbit)
+
+    def __enter__(self):
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
 def netns_unavailable() -> str | None:
     """Why namespaces cannot be made here (None when they can)."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
@@ -57,7 +113,7 @@ def netns_unavailable() -> str | None:
 
 
 @dataclass
-class NetnsLab:
+class NetnsLab(_BridgeLab):
     """``hosts`` namespaces on one bridge; each host's egress capped at ``rate_mbit``.
 
     Names are short (interface names have at most 15 characters), so ``name`` is at most 6.
@@ -75,40 +131,16 @@ class NetnsLab:
         if not 1 <= self.hosts <= 200:
             raise ValueError("hosts must be 1..200")
 
-    @property
-    def bridge(self) -> str:
-        return f"{self.name}-br"
-
-    @property
-    def gateway(self) -> str:
-        return f"10.{self.subnet}.0.1"
-
     def address(self, index: int) -> str:
         return f"10.{self.subnet}.0.{10 + index}"
-
-    def namespace(self, index: int) -> str:
-        return f"{self.name}-{index}"
 
     def up(self) -> "NetnsLab":
         """Create the bridge and every host; on any failure, remove what was made and raise."""
         try:
             self.down()  # leftovers of a run that was killed before it could clean up
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+            self._make_bridge()
             for i in range(self.hosts):
-                ns, outer = self.namespace(i), f"{self.name}v{i}"
-                _ip("netns", "add", ns)
-                self.namespaces.append(ns)
-                _ip("link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", ns)
-                _ip("link", "set", outer, "master", self.bridge)
-                _ip("link", "set", outer, "up")
-                _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
-                                "rate", f"{self.rate_mbit}mbit", "burst", _TBF_BURST, "latency", _TBF_LATENCY],
-                               check=True, capture_output=True, text=True)
+                self._add_on_bridge(self.namespace(i), f"{self.name}v{i}", self.address(i))
         except BaseException:
             self.down()
             raise
@@ -120,12 +152,6 @@ class NetnsLab:
             _ip("netns", "del", self.namespace(i), check=False)
         _ip("link", "del", self.bridge, check=False)
         self.namespaces.clear()
-
-    def __enter__(self) -> "NetnsLab":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
 
 def run_in_netns(namespace: str, fn: Callable[..., T], *args, **kwargs) -> T:
