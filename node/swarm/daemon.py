@@ -420,16 +420,7 @@ class Daemon:
         )
         await self.gossip.start()
         self.admission = _admission_of(self)
-        self.coordinator = Coordinator(
-            run_id=cfg.run_id, identity=self.identity,
-            view=self.view, run=self.run, memory=cfg.memory_slots,
-            debounce_s=cfg.epoch_debounce_s, takeover_s=cfg.coordinator_timeout_s, budget_s=cfg.schedule_budget_s,
-            publish=self.membership.publish_epoch,
-            on_adopt=self._on_adopt,
-            progress=lambda lead_s=0.0: self.training_progress(lead_s) if self.training_progress is not None else None,
-            admission=self.admission,
-        )
-        self.coordinator.blocker = lambda: self.coordination_blocker() if self.coordination_blocker is not None else None
+        self.coordinator = _coordinator_of(self)
         await self.membership.catch_up()
 
     async def stop(self, graceful: bool = True) -> None:
@@ -570,6 +561,20 @@ def _print_banner(daemon: Daemon) -> None:
     print(daemon.reachability.line(), flush=True)
     if s["rpc_port"]:
         print(f"rpc: http://127.0.0.1:{s['rpc_port']}", flush=True)
+
+
+def _coordinator_of(daemon: Daemon) -> Coordinator:
+    """The daemon's coordinator over its view, run and admission, publishing through its membership; the
+    training service's hooks (progress, blocker) are read at each call, as the service sets them after."""
+    cfg = daemon.config
+    coordinator = Coordinator(
+        run_id=cfg.run_id, identity=daemon.identity, view=daemon.view, run=daemon.run, memory=cfg.memory_slots,
+        debounce_s=cfg.epoch_debounce_s, takeover_s=cfg.coordinator_timeout_s, budget_s=cfg.schedule_budget_s,
+        publish=daemon.membership.publish_epoch, on_adopt=daemon._on_adopt,
+        progress=lambda lead_s=0.0: daemon.training_progress(lead_s) if daemon.training_progress is not None else None,
+        admission=daemon.admission)
+    coordinator.blocker = lambda: daemon.coordination_blocker() if daemon.coordination_blocker is not None else None
+    return coordinator
 
 
 def _admission_of(daemon: Daemon) -> Admission:
