@@ -70,7 +70,7 @@ from node.net.ping import PING_PROTOCOL, PingHandler
 from node.net.runconfig import summary_digest
 from node.swarm.admission import Admission, challenge_over_p2p
 from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
-from node.swarm.membership import Membership
+from node.swarm.membership import Membership, MembershipParts
 from node.swarm.reachability_watch import ReachabilityWatch
 from node.swarm.rpc_api import DaemonRpcApi, members_only
 from node.swarm.startup import measure_compute_speed
@@ -146,9 +146,10 @@ class Daemon:
         self.training_iteration: Callable[[], int | None] | None = None
         self.coordination_blocker: Callable[[], str | None] | None = None
         self.started_at = time.time()
-        self.membership = Membership(self)
         self.gossip_access = GossipAccessControl(lambda: self.access, lambda: self.view, self.is_peer_allowed,
                                                  self.metrics, self.log)
+        self.membership = Membership(config, self.log, self.metrics, self.gossip_access, self.advert,
+                                     state=lambda: self.state, go_online=self._go_online)
         self.rpc_api = DaemonRpcApi(self)
         self.prober: LinkProber | None = None
         self._lock = IdentityLock(config.identity_path)
@@ -421,6 +422,7 @@ class Daemon:
         await self.gossip.start()
         self.admission = _admission_of(self)
         self.coordinator = _coordinator_of(self)
+        self.membership.bind(_membership_parts(self))
         await self.membership.catch_up()
 
     async def stop(self, graceful: bool = True) -> None:
@@ -476,6 +478,9 @@ class Daemon:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    def _go_online(self) -> None:
+        self.state = NodeState.ONLINE
 
     def _on_adopt(self, epoch: ScheduleEpoch) -> None:
         self.metrics.set_schedule_epoch(epoch.epoch)
@@ -561,6 +566,14 @@ def _print_banner(daemon: Daemon) -> None:
     print(daemon.reachability.line(), flush=True)
     if s["rpc_port"]:
         print(f"rpc: http://127.0.0.1:{s['rpc_port']}", flush=True)
+
+
+def _membership_parts(daemon: Daemon) -> MembershipParts:
+    """What membership works with once the daemon's network, coordinator and admission are up."""
+    return MembershipParts(
+        peer_id=daemon.peer_id, public_key=daemon.identity.public_key_bytes, stages=daemon.stages, view=daemon.view,
+        adverts=daemon.adverts, run=daemon.run, gossip=daemon.gossip, coordinator=daemon.coordinator,
+        admission=daemon.admission)
 
 
 def _coordinator_of(daemon: Daemon) -> Coordinator:

@@ -1,7 +1,7 @@
-"""The daemon as its parts see it: a typed seam (:class:`SwarmHost`), so :mod:`node.swarm.membership` and
-:mod:`node.swarm.rpc_api` name what they read of the :class:`node.swarm.daemon.Daemon` without importing it
-(the daemon builds them; they never build it). The daemon's parts are made before the network is up and
-read the daemon's view, gossip and coordinator as they come and go, so they keep the host, not copies."""
+"""The daemon as its RPC handlers and its own services see it: a typed seam (:class:`SwarmHost`), so
+:mod:`node.swarm.rpc_api` and :mod:`node.swarm.reachability_watch` name what they read of the
+:class:`node.swarm.daemon.Daemon` without importing it (the daemon builds them; they never build it).
+:mod:`node.swarm.membership` takes explicit inputs instead (:class:`~node.swarm.membership.MembershipParts`)."""
 
 from __future__ import annotations
 
