@@ -17,8 +17,8 @@ Start-up order matters and is chosen so that failures surface early and clearly:
 
 Shutdown is the reverse, announcing DRAINING and then OFFLINE so peers drop us at once.
 
-The :class:`Daemon` composes collaborators with one job each: :mod:`node.swarm.startup` (ports,
-p2pd, DHT), :mod:`node.swarm.handshake` (run configuration and stage choice),
+The :class:`Daemon` composes collaborators with one job each, which :mod:`node.swarm.wiring` hands their inputs:
+:mod:`node.swarm.startup` (ports, p2pd, DHT), :mod:`node.swarm.handshake` (run configuration and stage choice),
 :class:`~node.swarm.membership.Membership` (heartbeat and view loops, gossip dispatch),
 :class:`~node.swarm.gossip_access.GossipAccessControl`, :class:`~node.swarm.link_prober.LinkProber`
 and :class:`~node.swarm.rpc_api.DaemonRpcApi` (the built-in RPC handlers).
@@ -68,11 +68,12 @@ from node.swarm.gossip_access import GossipAccessControl
 from node.swarm.handshake import choose_stages, founding_run_config, handshake, services_summary
 from node.net.ping import PING_PROTOCOL, PingHandler
 from node.net.runconfig import summary_digest
-from node.swarm.admission import Admission, challenge_over_p2p
+from node.swarm.admission import Admission
 from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
-from node.swarm.membership import Membership, MembershipParts
+from node.swarm.membership import Membership
 from node.swarm.reachability_watch import ReachabilityWatch
-from node.swarm.rpc_api import DaemonRpcApi, members_only
+from node.swarm.rpc_api import members_only
+from node.swarm.wiring import admission_of, coordinator_of, membership_parts, rpc_api_of
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
@@ -150,7 +151,7 @@ class Daemon:
                                                  self.metrics, self.log)
         self.membership = Membership(config, self.log, self.metrics, self.gossip_access, self.advert,
                                      state=lambda: self.state, go_online=self._go_online)
-        self.rpc_api = DaemonRpcApi(self)
+        self.rpc_api = rpc_api_of(self)
         self.prober: LinkProber | None = None
         self._lock = IdentityLock(config.identity_path)
         self._initial_ids: list[PeerID] = []
@@ -375,7 +376,7 @@ class Daemon:
             self.log.warning("this node's own peer id %s is not in --allow-peers: other members will ignore it",
                              self.peer_id)
         # RPC over HTTP first: a taken --rpc-port should fail before anything slow starts.
-        self.rpc_api.register()
+        self.rpc_api.register(self.register_rpc, self.rpc)
         if cfg.rpc_port is not None:
             try:
                 await self.rpc.start_http(cfg.rpc_host, cfg.rpc_port)
@@ -420,9 +421,9 @@ class Daemon:
             self.membership.on_gossip,
         )
         await self.gossip.start()
-        self.admission = _admission_of(self)
-        self.coordinator = _coordinator_of(self)
-        self.membership.bind(_membership_parts(self))
+        self.admission = admission_of(self)
+        self.coordinator = coordinator_of(self, self._on_adopt)
+        self.membership.bind(membership_parts(self))
         await self.membership.catch_up()
 
     async def stop(self, graceful: bool = True) -> None:
@@ -566,33 +567,3 @@ def _print_banner(daemon: Daemon) -> None:
     print(daemon.reachability.line(), flush=True)
     if s["rpc_port"]:
         print(f"rpc: http://127.0.0.1:{s['rpc_port']}", flush=True)
-
-
-def _membership_parts(daemon: Daemon) -> MembershipParts:
-    """What membership works with once the daemon's network, coordinator and admission are up."""
-    return MembershipParts(
-        peer_id=daemon.peer_id, public_key=daemon.identity.public_key_bytes, stages=daemon.stages, view=daemon.view,
-        adverts=daemon.adverts, run=daemon.run, gossip=daemon.gossip, coordinator=daemon.coordinator,
-        admission=daemon.admission)
-
-
-def _coordinator_of(daemon: Daemon) -> Coordinator:
-    """The daemon's coordinator over its view, run and admission, publishing through its membership; the
-    training service's hooks (progress, blocker) are read at each call, as the service sets them after."""
-    cfg = daemon.config
-    coordinator = Coordinator(
-        run_id=cfg.run_id, identity=daemon.identity, view=daemon.view, run=daemon.run, memory=cfg.memory_slots,
-        debounce_s=cfg.epoch_debounce_s, takeover_s=cfg.coordinator_timeout_s, budget_s=cfg.schedule_budget_s,
-        publish=daemon.membership.publish_epoch, on_adopt=daemon._on_adopt,
-        progress=lambda lead_s=0.0: daemon.training_progress(lead_s) if daemon.training_progress is not None else None,
-        admission=daemon.admission)
-    coordinator.blocker = lambda: daemon.coordination_blocker() if daemon.coordination_blocker is not None else None
-    return coordinator
-
-
-def _admission_of(daemon: Daemon) -> Admission:
-    """The daemon's admission: challenges over its libp2p host, progress from its training service."""
-    return Admission(
-        daemon.peer_id, daemon.config_digest, challenge_over_p2p(daemon), lambda: daemon.stages, daemon.log,
-        iteration=lambda: daemon.training_iteration() if daemon.training_iteration is not None else None,
-        epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0)

@@ -148,13 +148,14 @@ def test_the_daemons_coordinator_asks_its_training_service(identities, tmp_path)
     """The service's hooks reach the coordinator through the daemon's own wiring (the coordinator swallows a
     failing blocker, so a hook set under the wrong name would only make a joiner coordinate too early)."""
     from node.swarm.config import DaemonConfig
-    from node.swarm.daemon import Daemon, _coordinator_of
+    from node.swarm.daemon import Daemon
+    from node.swarm.wiring import coordinator_of
 
     ids = [i.peer_id.to_base58() for i in identities]
     daemon = Daemon(DaemonConfig(run_id="r", identity_path=tmp_path / "id.key"))
     daemon.identity, daemon.peer_id, daemon.run = identities[0], ids[0], RunConfig(2, 2, 2)
     daemon.view = _view(identities, 0, [0, 1, 2], [(0,), (0,), (1,)])
-    daemon.coordinator = _coordinator_of(daemon)
+    daemon.coordinator = coordinator_of(daemon, daemon._on_adopt)
     assert daemon.coordinator._blocked() is None and daemon.coordinator._progress(0.0) is None  # no service yet
     service = _service(100, None, ServiceState.WAITING)
     service.attach(daemon)
