@@ -75,6 +75,12 @@ __all__ = ["main", "kill_plan", "omission_rows"]
 RESULTS_DIR = _ROOT / "bench" / "results"
 OMISSION_FILE = RESULTS_DIR / "omission.json"
 RUN_ID = "faults"
+#: Seconds an iteration may take before a daemon stops as stalled (14 daemons on 2 cores, a kill in between).
+ITERATION_TIMEOUT_S = 240.0
+#: Seconds a daemon waits for every member of the pinned epoch to confirm it (they start in batches).
+AGREEMENT_TIMEOUT_S = 300.0
+#: Seconds a stopping daemon keeps training for its epoch (the bench stops all at once at the end).
+DRAIN_TIMEOUT_S = 5.0
 
 
 class BenchError(Exception):
@@ -344,12 +350,20 @@ def _log_problems(node, keep: int = 12) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------------- swarm
-def daemon_args(args) -> List[str]:
-    total = sum(args.sizes)
-    return ["--train", "--iterations", str(args.iterations), "--min-members", str(total), "--threads", "1",
-            "--microbatches", str(args.microbatches), "--microbatch-size", str(args.microbatch_size),
-            "--checkpoint-every", "0", "--iteration-timeout", "240", "--agreement-timeout", "300",
-            "--drain-timeout", "5", "--log-level", "INFO"]
+def daemon_spec(args):
+    """The run every daemon trains (a :class:`node.spec.TrainSpec`; :class:`ProcessSwarm` writes it as each
+    daemon's ``node run`` flags): training starts once every daemon is a member, one torch thread per daemon
+    (they share this machine's cores), no checkpoints, and waits long enough for a loaded 2-core box."""
+    from node.spec import TrainSpec
+
+    return TrainSpec(train=True, iterations=args.iterations, min_members=sum(args.sizes), threads=1,
+                     microbatches=args.microbatches, microbatch_size=args.microbatch_size, checkpoint_every=0,
+                     iteration_timeout=ITERATION_TIMEOUT_S, agreement_timeout=AGREEMENT_TIMEOUT_S, run_id=RUN_ID,
+                     heartbeat=args.heartbeat, path_length=args.path_length)
+
+
+#: Each daemon's own flags (not the run's): a killed node's peers must not wait for its drain.
+DAEMON_FLAGS = ("--drain-timeout", str(DRAIN_TIMEOUT_S), "--log-level", "INFO")
 
 
 def start_swarm(swarm, args, UserError) -> None:
@@ -394,8 +408,8 @@ def run_swarm(args, base: pathlib.Path) -> dict:
 
     plan = kill_plan(args.sizes, args.lose)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    swarm = ProcessSwarm(sum(args.sizes), args.sizes, base_dir=base, run_id=RUN_ID, heartbeat_s=args.heartbeat,
-                         path_length=args.path_length, extra_args=daemon_args(args), env=env)
+    swarm = ProcessSwarm(sum(args.sizes), args.sizes, base_dir=base, spec=daemon_spec(args), extra_args=DAEMON_FLAGS,
+                         env=env)
     out: dict = {"kill_plan": plan}
     t0 = time.monotonic()
     try:

@@ -28,6 +28,7 @@ import psutil
 
 
 from node.launch.process_swarm import ProcessSwarm
+from node.spec import TrainSpec
 from node.net.rpc import RpcCallError, call_http
 
 #: Seconds between RPC polls of every view.
@@ -74,7 +75,7 @@ def group_memory_mb(pids: list[int]) -> tuple[float, float]:
 def bench(n: int, heartbeat: float, base: Path) -> dict:
     sizes = [n - 2 * (n // 3), n // 3, n // 3] if n >= 3 else [n]
     # One extra node (the "newcomer") is started after the swarm of n-1 is up.
-    swarm = ProcessSwarm(n, sizes, base_dir=base / f"n{n}", run_id=f"bench{n}", heartbeat_s=heartbeat)
+    swarm = ProcessSwarm(n, sizes, base_dir=base / f"n{n}", spec=TrainSpec(run_id=f"bench{n}", heartbeat=heartbeat))
     first, newcomer = swarm.nodes[:-1], swarm.nodes[-1]
     join_ready, join_online = [], []
     try:

@@ -285,14 +285,23 @@ def daemon_locations(setting: dict) -> List[str]:
     return [locs[v] for stage in setting["stages"] for v in stage]
 
 
+def _daemon_spec(args, policy: str):
+    """The run every daemon of one policy's swarm trains (the tiny model on Shakespeare, all nodes members
+    before the start, one torch thread each, no checkpoints), as a :class:`node.spec.TrainSpec`."""
+    from node.spec import TrainSpec
+
+    return TrainSpec(train=True, model="tiny", corpus="shakespeare", iterations=args.warmup + args.iterations,
+                     min_members=args.nodes, seed=args.seed, microbatch_size=args.samples, seq_len=TINY_SEQ_LEN,
+                     microbatches=args.microbatches, memory_slots=args.memory, threads=1, checkpoint_every=0,
+                     iteration_timeout=float(args.iteration_timeout_s), agreement_timeout=float(args.start_timeout_s),
+                     run_id=f"{RUN_ID}-{policy}", heartbeat=args.heartbeat, path_length=args.path_length)
+
+
 def _daemon_args(args, setting: dict, policy: str, locations: Sequence[str]):
+    """Each daemon's own flags after the run's: its location in the emulated network (the founder's
+    schedule policy too)."""
     def node_args(i: int) -> List[str]:
-        a = ["--train", "--model", "tiny", "--corpus", "shakespeare", "--iterations", str(args.warmup + args.iterations),
-             "--min-members", str(args.nodes), "--seed", str(args.seed), "--microbatch-size", str(args.samples),
-             "--seq-len", str(TINY_SEQ_LEN), "--microbatches", str(args.microbatches), "--memory-slots", str(args.memory),
-             "--threads", "1", "--checkpoint-every", "0", "--iteration-timeout", str(args.iteration_timeout_s),
-             "--agreement-timeout", str(args.start_timeout_s), "--log-level", "WARNING",
-             "--network-profile", str(args.profile), "--location", locations[i],
+        a = ["--log-level", "WARNING", "--network-profile", str(args.profile), "--location", locations[i],
              "--latency-scale", repr(setting["latency_scale"]), "--bandwidth-scale", repr(setting["bandwidth_scale"]),
              "--hop-overhead-s", repr(setting["hop_overhead_s"]),
              "--compute-s-per-sample-per-layer", repr(setting["compute_s_per_sample_per_layer"])]
@@ -335,8 +344,7 @@ def run_daemon_policy(args, setting: dict, policy: str, name: str, base: pathlib
     locations = daemon_locations(setting)
     stage_sizes = [len(s) for s in setting["stages"]]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    swarm = ProcessSwarm(args.nodes, stage_sizes, base_dir=base / policy, run_id=f"{RUN_ID}-{policy}",
-                         heartbeat_s=args.heartbeat, path_length=args.path_length,
+    swarm = ProcessSwarm(args.nodes, stage_sizes, base_dir=base / policy, spec=_daemon_spec(args, policy),
                          extra_args=_daemon_args(args, setting, policy, locations), env=env)
     total = args.warmup + args.iterations
     t0 = time.perf_counter()

@@ -10,9 +10,8 @@ from pathlib import Path
 from node.swarm.config import DEFAULT_HOST_MADDRS, DaemonConfig, default_identity_path
 from node.errors import UserError
 from node.spec import TrainSpec
-from node.train.precision import DEVICES
-from node.cli.validate import (MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range, maddr_list_item,
-                               port)
+from node.cli.run_args import add_run_arguments
+from node.cli.validate import MAX_STAGES, float_range, int_range, maddr_list_item, port
 
 __all__ = ["register", "add_node_run_arguments", "run_spec_from_args", "config_from_args", "emulated_location_cost",
            "SCHEDULE_POLICIES"]
@@ -49,9 +48,7 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--stages", type=_stage_list, metavar="K[,K...]", help="stages this node holds, e.g. 0 or 2,3")
     group.add_argument("--auto", action="store_true", help="join the stage with the fewest replicas (default)")
-    p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), help="stages of the run (new swarm only; default max(--stages)+1, at least 2)")
-    p.add_argument("--path-length", type=int_range(2, MAX_STAGES), help="stages each microbatch visits, stage 0 included (new swarm; default all)")
-    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=TrainSpec.microbatches, help="microbatches per data node per iteration (new swarm)")
+    add_run_arguments(p, ("num_stages", "path_length", "microbatches"))
     p.add_argument("--schedule-policy", default="skippipe", metavar="POLICY",
                    help="how epochs route microbatches (new swarm): skippipe (default), full (aligned full "
                         "pipelines, no skipping) or random (network-blind skipping); baselines for benchmarks")
@@ -62,20 +59,17 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule-budget", type=float_range(0, 3600.0, lo_open=True), default=None, metavar="S",
                    help="safety cap in seconds on the coordinator's path search per epoch (default 15; the search "
                         "stops on a work budget first)")
-    p.add_argument("--memory-slots", type=int_range(1, MAX_MEMORY_SLOTS), default=TrainSpec.memory_slots, help="in-flight microbatches this node accepts")
+    add_run_arguments(p, ("memory_slots",))
     p.add_argument("--host-maddrs", nargs="+", type=maddr_list_item, default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
                    help="where p2pd listens (default %(default)s)")
     p.add_argument("--announce-maddrs", nargs="+", type=maddr_list_item, default=[], metavar="MADDR", help="public addresses to advertise")
     p.add_argument("--gossip-port", type=port(allow_zero=True), default=0, help="TCP port of the gossip host (default: ephemeral)")
     p.add_argument("--identity", type=Path, default=None,
                    help=f"RSA identity file, created on first use (default {default_identity_path()})")
-    p.add_argument("--run-id", default=TrainSpec.run_id, help="name of the training run (default %(default)s)")
-    p.add_argument("--device", choices=list(DEVICES), default=TrainSpec.device,
-                   help="torch device of this node's stage (auto: cuda when available; default cpu)")
+    add_run_arguments(p, ("run_id", "device"))
     p.add_argument("--location", default=None, help="free-form location label shown to peers")
     p.add_argument("--rpc-port", type=port(allow_zero=True, allow_off=True), default=0, help="local HTTP RPC port on 127.0.0.1 (0 = ephemeral, -1 = off)")
-    p.add_argument("--heartbeat", type=float_range(0.05, 3600.0), default=TrainSpec.heartbeat,
-                   help="seconds between advert re-announcements (default %(default)s)")
+    add_run_arguments(p, ("heartbeat",))
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE",
                    help="shared secret of a private swarm; peers without it cannot advertise, gossip or send data")
     p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE",

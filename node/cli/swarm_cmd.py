@@ -10,8 +10,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+from node.cli.run_args import add_run_arguments
 from node.cli.validate import MAX_STAGES, float_range, int_range
 from node.errors import UserError
+from node.launch.process_swarm import LOCAL_SPEC
+from node.spec import TrainSpec
 
 __all__ = ["register", "fetch_status", "format_status"]
 
@@ -184,15 +187,9 @@ def _local(args: argparse.Namespace) -> int:
         if len(sizes) > MAX_STAGES:
             raise UserError(f"--stage-sizes: at most {MAX_STAGES} stages")
     base = Path(args.base_dir) if args.base_dir else Path(tempfile.mkdtemp(prefix="skippipe-local-"))
-    swarm = ProcessSwarm(
-        args.nodes,
-        sizes,
-        base_dir=base,
-        run_id=args.run_id,
-        heartbeat_s=args.heartbeat,
-        path_length=args.path_length,
-        extra_args=[a for a in (args.node_args or []) if a != "--"][:] if args.node_args else (),
-    )
+    # the run's flags (run id, heartbeat, path length) as one spec; the words after -- go to every node as given
+    swarm = ProcessSwarm(args.nodes, sizes, base_dir=base, spec=TrainSpec.from_args(args, base=LOCAL_SPEC),
+                         extra_args=[a for a in args.node_args or () if a != "--"])
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -241,9 +238,7 @@ def register(subparsers) -> None:
     local = sub.add_parser("local", help="start N daemons on 127.0.0.1 until Ctrl+C")
     local.add_argument("--nodes", type=int_range(1, 256), required=True)
     local.add_argument("--stage-sizes", help="nodes per stage, e.g. 2,1,1 (default: two stages)")
-    local.add_argument("--path-length", type=int_range(2, MAX_STAGES), default=None)
-    local.add_argument("--run-id", default="local")
-    local.add_argument("--heartbeat", type=float_range(0.05, 3600.0), default=1.0)
+    add_run_arguments(local, ("path_length", "run_id", "heartbeat"), LOCAL_SPEC)  # as node run's, local defaults
     local.add_argument("--base-dir", help="where identities and logs go (default: a new temp dir)")
     local.add_argument("--start-timeout", type=float_range(0, 24 * 3600.0, lo_open=True), default=120.0)
     local.add_argument("node_args", nargs=argparse.REMAINDER,

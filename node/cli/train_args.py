@@ -13,16 +13,14 @@ import argparse
 from pathlib import Path
 
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
-from node.cli.validate import MAX_DURATION_S, MAX_NODES, MAX_THREADS, float_range, int_range
+from node.cli.run_args import MODEL_DATA_FIELDS, MODEL_SIZE_NAMES, PRECISION_WIRE_FIELDS, add_run_arguments
+from node.cli.validate import MAX_DURATION_S, float_range
 from node.errors import UserError
 from node.spec import DEFAULT_TRAIN_ITERATIONS, TrainSpec
-from node.train.precision import PRECISIONS
-from protocol.compression import WIRE_TABLE
 
-__all__ = ["add_training_arguments", "add_model_data_arguments", "add_precision_wire_arguments", "model_and_data_from_args", "model_and_data_from_spec",
+__all__ = ["add_training_arguments", "model_and_data_from_args", "model_and_data_from_spec",
            "training_services_from_args", "DEFAULT_TRAIN_ITERATIONS", "MODEL_SIZE_NAMES", "default_tokenizer"]
 
-MODEL_SIZE_NAMES = ("tiny", "small", "500m")
 #: BPE vocabulary the named ``500m`` size trains by default (its vocab in the paper).
 LARGE_MODEL_BPE = "bpe:32000"
 #: ``--ban S``: the longest ban is this many times the first (the default 30 s / 300 s keeps it too)
@@ -31,23 +29,6 @@ BAN_MAX_FACTOR = 10
 
 def default_tokenizer(model: str) -> str:
     return LARGE_MODEL_BPE if model == "500m" else "bytes"
-
-
-def add_model_data_arguments(g) -> None:
-    """Model and data flags shared by ``node run --train`` and ``up`` (same names, same meaning)."""
-    g.add_argument("--model", default=TrainSpec.model, choices=list(MODEL_SIZE_NAMES),
-                   help="named model size (its stage count follows the run's --num-stages)")
-    g.add_argument("--model-config", type=Path, default=None, metavar="model.json",
-                   help="model shape from a JSON file instead of --model: layers, d_model, heads, kv_heads, ffn, "
-                        "vocab (optional: the tokenizer's), context, stages")
-    g.add_argument("--corpus", default=TrainSpec.corpus, metavar="NAME|PATH",
-                   help="data nodes' corpus: shakespeare, sotu, a text file, a folder of .txt/.md files, "
-                        "or a .jsonl/.parquet file (default %(default)s)")
-    g.add_argument("--text-field", default=TrainSpec.text_field, metavar="FIELD",
-                   help="field holding the text in .jsonl/.parquet corpora (default %(default)s)")
-    g.add_argument("--tokenizer", default=None, metavar="bytes|bpe:VOCAB|PATH",
-                   help="bytes, bpe:VOCAB (a byte-level BPE trained once on the corpus and cached), or a "
-                        "tokenizer.json (default: bytes; bpe:32000 for --model 500m)")
 
 
 def model_and_data_from_args(args: argparse.Namespace, resolve_tokenizer: bool = True):
@@ -95,41 +76,15 @@ def model_and_data_from_spec(run: TrainSpec, resolve_tokenizer: bool = True):
     return mcfg, replace(data, seq_len=seq_len)
 
 
-def add_precision_wire_arguments(g, defaults: TrainSpec = TrainSpec()) -> None:
-    """``--precision`` and ``--wire`` of ``node run --train`` and ``up``: choices from the precision and codec
-    tables, defaults from ``defaults``."""
-    g.add_argument("--precision", default=defaults.precision, choices=["auto", *PRECISIONS],
-                   help="compute precision (autocast; fp32 master weights); auto: bf16 on a GPU that supports "
-                        "it, else fp32. All members of a run must use the same")
-    g.add_argument("--wire", default=defaults.wire, choices=list(WIRE_TABLE),
-                   help="wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); "
-                        "the replicas' averaging uses the matching hivemind compression. All members must agree")
-
-
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (with --train)")
-    g.add_argument("--train", action="store_true", help="run a trainer for this node's stage inside the daemon")
-    add_model_data_arguments(g)
-    g.add_argument("--iterations", type=int_range(1, 10**9), default=TrainSpec.iterations,
-                   help="iterations to train in total (default %(default)s)")
-    g.add_argument("--checkpoint-dir", type=Path, default=None, help="folder for this node's checkpoints")
-    g.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=TrainSpec.checkpoint_every, help="iterations between checkpoints (0 = at exit only)")
-    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
-    g.add_argument("--min-members", type=int_range(1, MAX_NODES), default=TrainSpec.min_members,
-                   help="start training only on a schedule epoch with at least this many members")
-    g.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=None, help="AdamW learning rate (default 1e-3)")
-    g.add_argument("--seed", type=int_range(0, 2**32 - 1), default=TrainSpec.seed, help="model initialisation and data order seed")
-    g.add_argument("--microbatch-size", type=int_range(1, 65536), default=TrainSpec.microbatch_size, help="sequences per microbatch")
-    g.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: 64 for tiny, else the context)")
-    add_precision_wire_arguments(g)
+    add_run_arguments(g, ("train", *MODEL_DATA_FIELDS, "iterations", "checkpoint_dir", "checkpoint_every", "resume",
+                          "min_members", "lr", "seed", "microbatch_size", "seq_len", *PRECISION_WIRE_FIELDS))
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
-    g.add_argument("--threads", type=int_range(1, MAX_THREADS), default=None, help="torch threads of this process")
-    g.add_argument("--iteration-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=TrainSpec.iteration_timeout,
-                   help="seconds an iteration may take before training stops as stalled")
+    add_run_arguments(g, ("threads", "iteration_timeout"))
     g.add_argument("--start-debounce", type=float_range(0, MAX_DURATION_S), default=None,
                    help="seconds the schedule epoch must stay current before training pins it (default 3 heartbeats)")
-    g.add_argument("--agreement-timeout", type=float_range(0, MAX_DURATION_S, lo_open=True), default=TrainSpec.agreement_timeout,
-                   help="seconds to wait for every member of the pinned epoch to confirm it")
+    add_run_arguments(g, ("agreement_timeout",))
     g.add_argument("--drain-timeout", type=float_range(0, MAX_DURATION_S), default=60.0, metavar="S",
                    help="on SIGTERM keep training until a schedule epoch without this node starts, at most "
                         "this long, so no in-flight microbatch is lost (default %(default)s)")

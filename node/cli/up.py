@@ -14,8 +14,8 @@ import signal
 
 from node.cli.emulation_args import add_emulation_arguments, emulation_from_args
 from node.spec import TrainSpec
-from node.train.precision import DEVICES
-from node.cli.validate import MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, float_range, int_range
+from node.cli.run_args import MODEL_DATA_FIELDS, PRECISION_WIRE_FIELDS, add_run_arguments
+from node.cli.validate import int_range
 from node.cli.up_runners import (DEFAULT_DATA_NODES, DEFAULT_REPLICAS, UP_SPEC, UpOptions, _compute_config, run_up,
                                  run_up_swarm)
 
@@ -65,30 +65,23 @@ def register(subparsers) -> None:
         "up", help="train a tiny model on a local swarm (no flags needed)",
         description="Start a local swarm on 127.0.0.1 (bootstrap + data nodes + stage replicas), train the tiny "
                     "model on Shakespeare with stage skipping, write a loss curve and a summary, stop cleanly.")
-    p.add_argument("--iterations", type=int_range(1, 10**9), default=UP_SPEC.iterations, help="total iterations (default %(default)s)")
+    # the run's flags as node run declares them, with up's defaults (UP_SPEC)
+    add_run_arguments(p, ("iterations",), UP_SPEC)
     p.add_argument("--out", default="skippipe-up", help="output folder (default ./%(default)s)")
-    from node.cli.train_args import add_model_data_arguments, add_precision_wire_arguments
-
-    add_model_data_arguments(p)  # --model, --model-config, --corpus, --text-field, --tokenizer: as node run
-    p.add_argument("--num-stages", type=int_range(2, MAX_STAGES), default=UP_SPEC.num_stages,
-                   help="pipeline stages (default: the model's, 6 for the named sizes); as node run --num-stages")
-    p.add_argument("--device", default=UP_SPEC.device, choices=list(DEVICES),
-                   help="torch device of every node (auto: cuda when available; default cpu)")
-    add_precision_wire_arguments(p, UP_SPEC)
+    add_run_arguments(p, (*MODEL_DATA_FIELDS, "num_stages", "device", *PRECISION_WIRE_FIELDS), UP_SPEC,
+                      help={"num_stages": "pipeline stages (default: the model's, 6 for the named sizes); as node run "
+                                          "--num-stages", "device": "torch device of every node (auto: cuda when "
+                                          "available; default {default})"})
     p.add_argument("--data-nodes", type=int_range(1, 64), default=DEFAULT_DATA_NODES)
     p.add_argument("--replicas", default=DEFAULT_REPLICAS,
                    help="replicas of stages 1..S-1, comma-separated or one number (default %(default)s)")
-    p.add_argument("--path-length", type=int_range(1, MAX_STAGES), default=UP_SPEC.path_length,
-                   help="stages per microbatch incl. stage 0 (default %(default)s; = stages for no skipping)")
-    p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=UP_SPEC.microbatches, help="per data node per iteration")
-    p.add_argument("--microbatch-size", type=int_range(1, 65536), default=UP_SPEC.microbatch_size, help="sequences per microbatch")
-    p.add_argument("--memory", dest="memory_slots", metavar="MEMORY", type=int_range(1, MAX_MEMORY_SLOTS),
-                   default=UP_SPEC.memory_slots,
-                   help="in-flight microbatches per node (node run's --memory-slots)")
-    p.add_argument("--lr", type=float_range(0, 10.0, lo_open=True), default=UP_SPEC.lr)
-    p.add_argument("--seed", type=int_range(0, 2**32 - 1), default=UP_SPEC.seed)
-    p.add_argument("--checkpoint-every", type=int_range(0, 10**9), default=UP_SPEC.checkpoint_every)
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    add_run_arguments(p, ("path_length", "microbatches", "microbatch_size", "memory_slots", "lr", "seed",
+                          "checkpoint_every", "resume"), UP_SPEC, flags={"memory_slots": "--memory"},
+                      help={"path_length": "stages per microbatch incl. stage 0 (default {default}; = stages for no "
+                                           "skipping)",
+                            "memory_slots": "in-flight microbatches per node (node run's --memory-slots; default "
+                                            "{default})",
+                            "resume": "continue from the checkpoints in --out"})
     p.add_argument("--scheduler", default="skippipe", choices=["skippipe", "builtin"],
                    help="paths from the SkipPipe path scheduler (default) or a fixed round-robin of stage subsets")
     p.add_argument("--no-reorder", action="store_true", help="builtin scheduler: keep every path in stage order")

@@ -28,7 +28,7 @@ from node.launch.procs import process_group_members
 from node.net.lifetime import PARENT_PID_ENV
 from node.spec import TrainSpec
 
-__all__ = ["ProcessNode", "ProcessSwarm", "stage_layout", "process_group_members", "training_state"]
+__all__ = ["ProcessNode", "ProcessSwarm", "LOCAL_SPEC", "stage_layout", "process_group_members", "training_state"]
 
 #: Seconds a node gets to come up (p2pd + DHT + gossip on a loaded 2-core box).
 DEFAULT_START_TIMEOUT_S = 90.0
@@ -40,6 +40,8 @@ LOCAL_RUN_ID = "local"
 #: Heartbeat of a local swarm started without a spec or a heartbeat: on loopback a second is plenty and
 #: deaths are noticed within a few seconds.
 LOCAL_HEARTBEAT_S = 1.0
+#: The run of a local swarm started without a spec (``skippipe swarm local``'s defaults).
+LOCAL_SPEC = TrainSpec(run_id=LOCAL_RUN_ID, heartbeat=LOCAL_HEARTBEAT_S)
 
 
 def stage_layout(stage_sizes: Sequence[int]) -> list[int]:
@@ -148,9 +150,9 @@ class ProcessSwarm:
         self.base_dir = Path(base_dir)
         if spec is not None and (run_id, heartbeat_s, path_length) != (None, None, None):
             raise ValueError("give the run's id, heartbeat and path length in spec or as keywords, not both")
-        run = spec if spec is not None else TrainSpec(
-            run_id=LOCAL_RUN_ID if run_id is None else run_id, path_length=path_length,
-            heartbeat=LOCAL_HEARTBEAT_S if heartbeat_s is None else float(heartbeat_s))
+        run = spec if spec is not None else replace(
+            LOCAL_SPEC, path_length=path_length, **({} if run_id is None else {"run_id": run_id}),
+            **({} if heartbeat_s is None else {"heartbeat": float(heartbeat_s)}))
         self.spec = replace(run, num_stages=len(sizes))
         self.python = python
         self.env = dict(os.environ if env is None else env)

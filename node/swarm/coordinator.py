@@ -202,6 +202,7 @@ class Coordinator:
         #: Why this node must not coordinate right now (e.g. "joining: data plane not up yet"), or None;
         #: set by the local trainer service (None: nothing against it).
         self.blocker: Callable[[], str | None] | None = None
+        self._blocker_failed = False  # its first failure is a warning, the rest debug lines
 
     # ------------------------------------------------------------------ who coordinates
     def candidates(self) -> list[str]:
@@ -228,8 +229,10 @@ class Coordinator:
             return None
         try:
             return self.blocker()
-        except Exception:  # noqa: BLE001 - a broken hook must not stop coordination
-            logger.debug("coordination blocker failed", exc_info=True)
+        except Exception:  # noqa: BLE001 - a broken hook must not stop coordination, nor pass unseen
+            logger.log(logging.DEBUG if self._blocker_failed else logging.WARNING,
+                       "coordination blocker failed (coordinating as if unblocked)", exc_info=True)
+            self._blocker_failed = True
             return None
 
     def target_membership(self) -> tuple[list[PeerEntry], dict[str, int]]:

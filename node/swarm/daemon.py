@@ -17,8 +17,8 @@ Start-up order matters and is chosen so that failures surface early and clearly:
 
 Shutdown is the reverse, announcing DRAINING and then OFFLINE so peers drop us at once.
 
-The :class:`Daemon` composes collaborators with one job each: :mod:`node.swarm.startup` (ports,
-p2pd, DHT), :mod:`node.swarm.handshake` (run configuration and stage choice),
+The :class:`Daemon` composes collaborators with one job each, which :mod:`node.swarm.wiring` hands their inputs:
+:mod:`node.swarm.startup` (ports, p2pd, DHT), :mod:`node.swarm.handshake` (run configuration and stage choice),
 :class:`~node.swarm.membership.Membership` (heartbeat and view loops, gossip dispatch),
 :class:`~node.swarm.gossip_access.GossipAccessControl`, :class:`~node.swarm.link_prober.LinkProber`
 and :class:`~node.swarm.rpc_api.DaemonRpcApi` (the built-in RPC handlers).
@@ -68,11 +68,12 @@ from node.swarm.gossip_access import GossipAccessControl
 from node.swarm.handshake import choose_stages, founding_run_config, handshake, services_summary
 from node.net.ping import PING_PROTOCOL, PingHandler
 from node.net.runconfig import summary_digest
-from node.swarm.admission import Admission, challenge_over_p2p
+from node.swarm.admission import Admission
 from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
 from node.swarm.reachability_watch import ReachabilityWatch
-from node.swarm.rpc_api import DaemonRpcApi, members_only
+from node.swarm.rpc_api import members_only
+from node.swarm.wiring import admission_of, coordinator_of, membership_parts, rpc_api_of
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
@@ -146,10 +147,11 @@ class Daemon:
         self.training_iteration: Callable[[], int | None] | None = None
         self.coordination_blocker: Callable[[], str | None] | None = None
         self.started_at = time.time()
-        self.membership = Membership(self)
         self.gossip_access = GossipAccessControl(lambda: self.access, lambda: self.view, self.is_peer_allowed,
                                                  self.metrics, self.log)
-        self.rpc_api = DaemonRpcApi(self)
+        self.membership = Membership(config, self.log, self.metrics, self.gossip_access, self.advert,
+                                     state=lambda: self.state, go_online=self._go_online)
+        self.rpc_api = rpc_api_of(self)
         self.prober: LinkProber | None = None
         self._lock = IdentityLock(config.identity_path)
         self._initial_ids: list[PeerID] = []
@@ -374,7 +376,7 @@ class Daemon:
             self.log.warning("this node's own peer id %s is not in --allow-peers: other members will ignore it",
                              self.peer_id)
         # RPC over HTTP first: a taken --rpc-port should fail before anything slow starts.
-        self.rpc_api.register()
+        self.rpc_api.register(self.register_rpc, self.rpc)
         if cfg.rpc_port is not None:
             try:
                 await self.rpc.start_http(cfg.rpc_host, cfg.rpc_port)
@@ -419,17 +421,9 @@ class Daemon:
             self.membership.on_gossip,
         )
         await self.gossip.start()
-        self.admission = _admission_of(self)
-        self.coordinator = Coordinator(
-            run_id=cfg.run_id, identity=self.identity,
-            view=self.view, run=self.run, memory=cfg.memory_slots,
-            debounce_s=cfg.epoch_debounce_s, takeover_s=cfg.coordinator_timeout_s, budget_s=cfg.schedule_budget_s,
-            publish=self.membership.publish_epoch,
-            on_adopt=self._on_adopt,
-            progress=lambda lead_s=0.0: self.training_progress(lead_s) if self.training_progress is not None else None,
-            admission=self.admission,
-        )
-        self.coordinator.blocker = lambda: self.coordination_blocker() if self.coordination_blocker is not None else None
+        self.admission = admission_of(self)
+        self.coordinator = coordinator_of(self, self._on_adopt)
+        self.membership.bind(membership_parts(self))
         await self.membership.catch_up()
 
     async def stop(self, graceful: bool = True) -> None:
@@ -485,6 +479,9 @@ class Daemon:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    def _go_online(self) -> None:
+        self.state = NodeState.ONLINE
 
     def _on_adopt(self, epoch: ScheduleEpoch) -> None:
         self.metrics.set_schedule_epoch(epoch.epoch)
@@ -570,11 +567,3 @@ def _print_banner(daemon: Daemon) -> None:
     print(daemon.reachability.line(), flush=True)
     if s["rpc_port"]:
         print(f"rpc: http://127.0.0.1:{s['rpc_port']}", flush=True)
-
-
-def _admission_of(daemon: Daemon) -> Admission:
-    """The daemon's admission: challenges over its libp2p host, progress from its training service."""
-    return Admission(
-        daemon.peer_id, daemon.config_digest, challenge_over_p2p(daemon), lambda: daemon.stages, daemon.log,
-        iteration=lambda: daemon.training_iteration() if daemon.training_iteration is not None else None,
-        epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0)

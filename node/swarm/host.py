@@ -1,7 +1,7 @@
-"""The daemon as its parts see it: a typed seam (:class:`SwarmHost`), so :mod:`node.swarm.membership` and
-:mod:`node.swarm.rpc_api` name what they read of the :class:`node.swarm.daemon.Daemon` without importing it
-(the daemon builds them; they never build it). The daemon's parts are made before the network is up and
-read the daemon's view, gossip and coordinator as they come and go, so they keep the host, not copies."""
+"""The daemon as the code that wires its parts sees it: a typed seam (:class:`SwarmHost`), so
+:mod:`node.swarm.wiring` (which hands the coordinator, admission, membership and the RPC handlers their explicit
+inputs) and the daemon's own reachability service name what they read of the :class:`node.swarm.daemon.Daemon`
+without importing it (the daemon builds them; they never build it)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,13 @@ class SwarmHost(Protocol):
     coordinator: Optional["Coordinator"]
     admission: Optional["Admission"]
     membership: Any  # node.swarm.membership.Membership
+    reachability: Any  # node.swarm.reachability_watch.ReachabilityWatch
     training_summary: Optional[dict]
+    config_digest: str
+    #: a training service's hooks (None without one): see node.train.service.TrainerService.attach
+    training_progress: Optional[Callable[[float], Optional[int]]]
+    training_iteration: Optional[Callable[[], Optional[int]]]
+    coordination_blocker: Optional[Callable[[], Optional[str]]]
 
     @property
     def current_epoch(self) -> Optional["ScheduleEpoch"]: ...
@@ -62,3 +68,5 @@ class SwarmHost(Protocol):
     def is_peer_allowed(self, peer_id: str) -> bool: ...
 
     def register_rpc(self, name: str, method: Callable[[dict], Awaitable[Any]]) -> None: ...
+
+    async def ensure_connected(self, peer_id: str, timeout: float = ...) -> bool: ...

@@ -12,17 +12,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
 
 from node.swarm.gossip import GossipMessage
 from node.swarm.states import NodeState
 from protocol.errors import ProtocolError
-from protocol.messages import LinkReport, MembershipEvent, ScheduleEpoch, decode, encode
+from protocol.messages import LinkReport, MembershipEvent, ScheduleEpoch, StageAdvert, decode, encode
 
 if TYPE_CHECKING:
-    from node.swarm.host import SwarmHost
+    from node.ops.metrics import NodeMetrics
+    from node.swarm.admission import Admission
+    from node.swarm.adverts import AdvertStore
+    from node.swarm.config import DaemonConfig
+    from node.swarm.coordinator import Coordinator, RunConfig
+    from node.swarm.gossip import GossipService
+    from node.swarm.gossip_access import GossipAccessControl
+    from node.swarm.states import NodeLogger
+    from node.swarm.view import SwarmView
 
-__all__ = ["Membership", "gossip_topics"]
+__all__ = ["Membership", "MembershipParts", "gossip_topics"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +54,37 @@ def gossip_topics(run_id: str) -> dict[str, str]:
     }
 
 
-class Membership:
-    """Keeps our adverts fresh, the view current, gossip connected and the coordinator ticking."""
+@dataclass(frozen=True)
+class MembershipParts:
+    """The daemon's parts that membership works with, which exist only once the network is up: the daemon
+    hands them over (:meth:`Membership.bind`) before membership's first round."""
 
-    def __init__(self, daemon: "SwarmHost"):
-        self.daemon = daemon
-        self.topics = gossip_topics(daemon.config.run_id)
+    peer_id: str
+    public_key: bytes
+    #: this node's stages (chosen once, when joining)
+    stages: tuple
+    view: "SwarmView"
+    adverts: "AdvertStore"
+    run: "RunConfig"
+    gossip: "GossipService"
+    coordinator: "Coordinator"
+    admission: "Admission"
+
+
+class Membership:
+    """Keeps our adverts fresh, the view current, gossip connected and the coordinator ticking.
+
+    Made with the daemon's configuration and the parts that exist from the start; ``advert`` builds our
+    current advert, ``state`` reads the node's state and ``go_online`` turns a JOINING node ONLINE. The parts
+    of the running network come with :meth:`bind`; before it, gossip is ignored and nothing is announced."""
+
+    def __init__(self, config: "DaemonConfig", log: "NodeLogger", metrics: "NodeMetrics",
+                 gossip_access: "GossipAccessControl", advert: Callable[[], StageAdvert],
+                 state: Callable[[], NodeState], go_online: Callable[[], None]):
+        self.config, self._log, self.metrics, self.gossip_access = config, log, metrics, gossip_access
+        self._advert, self._state, self._go_online = advert, state, go_online
+        self.parts: Optional[MembershipParts] = None
+        self.topics = gossip_topics(config.run_id)
         #: Seconds the last announce / view refresh took (exposed in status: load indicator).
         self.last_announce_s = 0.0
         self.last_refresh_s = 0.0
@@ -60,9 +94,9 @@ class Membership:
         self._heartbeats = 0
         self._gossip_dialing: set[str] = set()
 
-    @property
-    def _log(self):
-        return self.daemon.log
+    def bind(self, parts: MembershipParts) -> None:
+        """The running network's parts (before :meth:`catch_up` and the loops)."""
+        self.parts = parts
 
     # ------------------------------------------------------------------ adverts
     def advert_ttl_s(self) -> float:
@@ -72,31 +106,32 @@ class Membership:
         a lifetime shorter than ``heartbeat + 2 x store time`` makes a healthy node flap out of
         views on an overloaded machine; we keep a margin of 3 store durations.
         """
-        cfg = self.daemon.config
+        cfg = self.config
         return max(cfg.advert_ttl_s, cfg.heartbeat_s + TTL_STORE_MARGIN * self.last_announce_s)
 
     async def announce(self) -> None:
-        d = self.daemon
-        advert = d.advert()
+        p = self.parts
+        if p is None:
+            return  # nothing to announce through yet
+        advert = self._advert()
         ttl = self.advert_ttl_s()
-        await d.adverts.announce(advert, ttl)
-        d.view.set_self(advert, d.identity.public_key_bytes, time.time() + ttl)
+        await p.adverts.announce(advert, ttl)
+        p.view.set_self(advert, p.public_key, time.time() + ttl)
 
     async def refresh_view(self) -> None:
-        d = self.daemon
-        fetched = await d.adverts.fetch_all(d.run.num_stages)
-        fetched.pop(d.peer_id, None)  # our own entry is set locally, never from the DHT
-        d.view.update_from_dht(fetched)
+        p = self.parts
+        fetched = await p.adverts.fetch_all(p.run.num_stages)
+        fetched.pop(p.peer_id, None)  # our own entry is set locally, never from the DHT
+        p.view.update_from_dht(fetched)
 
     async def heartbeat_loop(self) -> None:
         """Re-announce our adverts on a fixed beat, never delayed by view or schedule work."""
-        d = self.daemon
         while True:
             t0 = time.monotonic()
             try:
                 self._heartbeats += 1
-                if d.state == NodeState.JOINING and self._heartbeats > JOINING_HEARTBEATS:
-                    d.state = NodeState.ONLINE
+                if self._state() == NodeState.JOINING and self._heartbeats > JOINING_HEARTBEATS:
+                    self._go_online()
                     await self.announce()
                     self.publish_event("join")
                 else:
@@ -106,7 +141,7 @@ class Membership:
             except Exception:  # noqa: BLE001 - one failed heartbeat must not kill the daemon
                 self._log.exception("advert announce failed")
             self.last_announce_s = time.monotonic() - t0
-            await asyncio.sleep(max(0.0, d.config.heartbeat_s - self.last_announce_s))
+            await asyncio.sleep(max(0.0, self.config.heartbeat_s - self.last_announce_s))
 
     # ------------------------------------------------------------------ view
     async def catch_up(self) -> None:
@@ -119,11 +154,10 @@ class Membership:
 
     async def view_loop(self) -> None:
         """Refresh the view, keep gossip connections, and drive the coordinator."""
-        d = self.daemon
         rounds = 0
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.refresh_now.wait(), timeout=d.config.heartbeat_s)
+                await asyncio.wait_for(self.refresh_now.wait(), timeout=self.config.heartbeat_s)
             self.refresh_now.clear()
             t0 = time.monotonic()
             try:
@@ -134,7 +168,7 @@ class Membership:
                 await self.maintain_gossip()
                 if rounds % EPOCH_DHT_POLL_HEARTBEATS == 0:
                     await self.adopt_epoch_from_dht()
-                await d.coordinator.tick()
+                await self.parts.coordinator.tick()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
@@ -142,45 +176,47 @@ class Membership:
             self.last_refresh_s = time.monotonic() - t0
 
     def update_view_metrics(self) -> None:
-        d = self.daemon
-        d.metrics.set_peer_states(e.state for e in d.view.peers.values())
-        epoch = d.current_epoch
-        d.metrics.set_schedule_epoch(epoch.epoch if epoch else None)
+        p = self.parts
+        if p is None:
+            return  # no view yet
+        self.metrics.set_peer_states(e.state for e in p.view.peers.values())
+        epoch = p.coordinator.current
+        self.metrics.set_schedule_epoch(epoch.epoch if epoch else None)
 
     async def maintain_gossip(self) -> None:
         """Keep up to ``gossip_target_peers`` gossip connections, to peers found in the DHT."""
-        d = self.daemon
-        connected = d.gossip.connected_peers()
-        wanted = d.config.gossip_target_peers - len(connected)
+        p = self.parts
+        connected = p.gossip.connected_peers()
+        wanted = self.config.gossip_target_peers - len(connected)
         if wanted <= 0:
             return
         candidates = [
             e
-            for e in d.view.alive()
-            if e.peer_id != d.peer_id
+            for e in p.view.alive()
+            if e.peer_id != p.peer_id
             and e.advert.gossip_peer_id
             and e.advert.gossip_peer_id not in connected
             and e.advert.gossip_peer_id not in self._gossip_dialing
             and e.advert.gossip_maddrs
         ]
         # Spread connections: start after our own id in the ring so the mesh is not a star.
-        candidates.sort(key=lambda e: (e.peer_id <= d.peer_id, e.peer_id))
+        candidates.sort(key=lambda e: (e.peer_id <= p.peer_id, e.peer_id))
         for entry in candidates[:wanted]:
             gid = entry.advert.gossip_peer_id
             self._gossip_dialing.add(gid)
-            task = asyncio.create_task(d.gossip.connect(gid, list(entry.advert.gossip_maddrs)))
+            task = asyncio.create_task(p.gossip.connect(gid, list(entry.advert.gossip_maddrs)))
             task.add_done_callback(lambda _t, gid=gid: self._gossip_dialing.discard(gid))
 
     async def admission_loop(self) -> None:
         """Each heartbeat: data nodes (the coordinator candidates) challenge the candidates, every node
         probes the epoch's members (:mod:`node.swarm.admission`); a changed verdict wakes the view loop."""
-        d = self.daemon
+        p = self.parts
         while True:
-            await asyncio.sleep(d.config.heartbeat_s)
+            await asyncio.sleep(self.config.heartbeat_s)
             try:
-                epoch = d.current_epoch
-                candidates = [e for e in d.view.online() if e.peer_id != d.peer_id] if 0 in d.stages else []
-                if await d.admission.round(candidates, epoch.members if epoch is not None else ()):
+                epoch = p.coordinator.current
+                candidates = [e for e in p.view.online() if e.peer_id != p.peer_id] if 0 in p.stages else []
+                if await p.admission.round(candidates, epoch.members if epoch is not None else ()):
                     self.refresh_now.set()
             except asyncio.CancelledError:
                 raise
@@ -189,43 +225,43 @@ class Membership:
 
     # ------------------------------------------------------------------ epochs
     async def adopt_epoch_from_dht(self) -> None:
-        d = self.daemon
-        for epoch, _owner in await d.adverts.fetch_epochs():
-            d.coordinator.consider(epoch)
+        p = self.parts
+        for epoch, _owner in await p.adverts.fetch_epochs():
+            p.coordinator.consider(epoch)
 
     async def publish_epoch(self, epoch: ScheduleEpoch) -> None:
-        self.daemon.gossip.publish(self.topics["epochs"], encode(epoch))
-        await self.daemon.adverts.store_epoch(epoch, EPOCH_RECORD_TTL_S)
+        self.parts.gossip.publish(self.topics["epochs"], encode(epoch))
+        await self.parts.adverts.store_epoch(epoch, EPOCH_RECORD_TTL_S)
 
     # ------------------------------------------------------------------ gossip
     def publish_event(self, kind: str) -> None:
-        d = self.daemon
-        event = MembershipEvent(run_id=d.config.run_id, peer_id=d.peer_id, kind=kind, stages=tuple(d.stages),
+        p = self.parts
+        event = MembershipEvent(run_id=self.config.run_id, peer_id=p.peer_id, kind=kind, stages=tuple(p.stages),
                                 timestamp=time.time())
-        d.gossip.publish(self.topics["membership"], encode(event))
+        p.gossip.publish(self.topics["membership"], encode(event))
 
     def publish_links(self, report: LinkReport) -> None:
-        self.daemon.gossip.publish(self.topics["links"], encode(report))
+        self.parts.gossip.publish(self.topics["links"], encode(report))
 
     def on_gossip(self, message: GossipMessage) -> None:
-        d = self.daemon
-        if d.gossip is not None and message.from_gossip_id == d.gossip.peer_id:
-            return
-        if not d.gossip_access.allowed(message.from_gossip_id):
+        p = self.parts
+        if p is None or message.from_gossip_id == p.gossip.peer_id:
+            return  # not bound yet (nothing to apply it to), or our own
+        if not self.gossip_access.allowed(message.from_gossip_id):
             return
         try:
             if message.topic == self.topics["membership"]:
                 event = decode(message.data, expect=MembershipEvent)
-                if not d.view.on_membership(event, message.from_gossip_id) and event.kind != "leave":
+                if not p.view.on_membership(event, message.from_gossip_id) and event.kind != "leave":
                     self.refresh_now.set()  # a newcomer we have not read from the DHT yet
                 elif event.kind == "leave":
                     self.refresh_now.set()
             elif message.topic == self.topics["links"]:
-                d.view.on_link_report(decode(message.data, expect=LinkReport), message.from_gossip_id)
+                p.view.on_link_report(decode(message.data, expect=LinkReport), message.from_gossip_id)
             elif message.topic == self.topics["epochs"]:
                 epoch = decode(message.data, expect=ScheduleEpoch)
-                verdict = d.coordinator.consider(epoch)
+                verdict = p.coordinator.consider(epoch)
                 self._log.debug("epoch %d from %s: %s", epoch.epoch, epoch.coordinator, verdict)
         except ProtocolError as e:
-            d.metrics.count_gossip_dropped("malformed")
+            self.metrics.count_gossip_dropped("malformed")
             self._log.debug("dropping malformed gossip on %s: %s", message.topic, e)

@@ -123,7 +123,6 @@ class TrainerService:
         return training_summary(self._config_for(run), self.iterations)
 
     async def start(self, daemon: TrainerHost) -> None:
-        self.daemon = daemon
         if self.threads:
             torch.set_num_threads(int(self.threads))
         run = daemon.run
@@ -134,12 +133,18 @@ class TrainerService:
                                       min_members=self.min_members, start_debounce_s=self.start_debounce_s,
                                       agreement_timeout_s=self.agreement_timeout_s, poll_s=self.poll_s,
                                       node_name=self.node_name)
+        self.attach(daemon)
+        self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
+
+    def attach(self, daemon: TrainerHost) -> None:
+        """Give the daemon this service's hooks: the ``training`` RPC, the coordinator's progress and blocker,
+        admission's committed iteration and the adopted epochs."""
+        self.daemon = daemon
         daemon.register_rpc("training", self._rpc_training)
         daemon.training_progress = self.switch_iteration
         daemon.training_iteration = self.committed_iteration
         daemon.coordination_blocker = self.coordination_blocker
         daemon.on_schedule_epoch.append(self._offer_epoch)
-        self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
 
     def switch_iteration(self, lead_s: float = 0.0) -> Optional[int]:
         """For the coordinator: the iteration a new epoch should start at (None before training).

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Dict, Iterable
 
 from node.launch.process_swarm import ProcessSwarm, training_state
+from node.spec import TrainSpec
 
 __all__ = ["training_state", "wait_for", "train_args", "assert_each_step_committed_once"]
 
@@ -37,11 +39,16 @@ def wait_for(swarm: ProcessSwarm, nodes: Iterable[int], predicate: Callable[[dic
         time.sleep(poll_s)
 
 
+#: The run of the daemon tests (tiny model, one torch thread, no checkpoints, waits a loaded CI box keeps).
+TEST_RUN = TrainSpec(train=True, threads=1, microbatches=2, microbatch_size=4, checkpoint_every=0,
+                     iteration_timeout=240.0, agreement_timeout=300.0)
+
+
 def train_args(iterations: int, min_members: int, *extra: str) -> list:
-    """``--train`` flags shared by the daemon tests (tiny model, one torch thread, bounded waits)."""
-    return ["--train", "--iterations", str(iterations), "--min-members", str(min_members), "--threads", "1",
-            "--microbatches", "2", "--microbatch-size", "4", "--checkpoint-every", "0",
-            "--iteration-timeout", "240", "--agreement-timeout", "300", "--log-level", "INFO", *extra]
+    """``--train`` flags shared by the daemon tests: :data:`TEST_RUN` for ``iterations`` with ``min_members``,
+    then ``extra``."""
+    run = replace(TEST_RUN, iterations=iterations, min_members=min_members)
+    return [*run.to_argv(), "--log-level", "INFO", *extra]
 
 
 

@@ -3,6 +3,7 @@ joiner does not coordinate before its data plane is up (nor outrank the members'
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from types import SimpleNamespace
@@ -141,3 +142,37 @@ def test_coordination_blocker_rules(identities):
     assert "data plane" in s.coordination_blocker()
     s.state = ServiceState.DONE
     assert s.coordination_blocker() is None
+
+
+def test_the_daemons_coordinator_asks_its_training_service(identities, tmp_path):
+    """The service's hooks reach the coordinator through the daemon's own wiring (the coordinator swallows a
+    failing blocker, so a hook set under the wrong name would only make a joiner coordinate too early)."""
+    from node.swarm.config import DaemonConfig
+    from node.swarm.daemon import Daemon
+    from node.swarm.wiring import coordinator_of
+
+    ids = [i.peer_id.to_base58() for i in identities]
+    daemon = Daemon(DaemonConfig(run_id="r", identity_path=tmp_path / "id.key"))
+    daemon.identity, daemon.peer_id, daemon.run = identities[0], ids[0], RunConfig(2, 2, 2)
+    daemon.view = _view(identities, 0, [0, 1, 2], [(0,), (0,), (1,)])
+    daemon.coordinator = coordinator_of(daemon, daemon._on_adopt)
+    assert daemon.coordinator._blocked() is None and daemon.coordinator._progress(0.0) is None  # no service yet
+    service = _service(100, None, ServiceState.WAITING)
+    service.attach(daemon)
+    daemon.coordinator.current = SimpleNamespace(members=(ids[1], ids[2]), start_iteration=50)
+    assert "joining" in daemon.coordinator._blocked()  # the service's verdict on the daemon's epoch
+    service.state = ServiceState.DONE
+    assert daemon.coordinator._blocked() is None and daemon.coordinator._progress(0.0) == 100
+
+
+def test_a_failing_blocker_is_logged_once_and_coordination_goes_on(identities, caplog):
+    coordinator = _coordinator(identities[0], _view(identities, 0, [0], [(0,)]), [])
+
+    def broken():
+        raise AttributeError("no such hook")
+
+    coordinator.blocker = broken
+    with caplog.at_level("DEBUG", logger="node.swarm.coordinator"):
+        assert coordinator._blocked() is None and coordinator._blocked() is None
+    failures = [r for r in caplog.records if "blocker failed" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.WARNING, logging.DEBUG]

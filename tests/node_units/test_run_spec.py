@@ -125,3 +125,29 @@ def test_up_flags_become_one_spec_and_every_daemon_parses_back_to_it(tmp_path):
         assert TrainSpec.from_args(parsed) == replace(daemon, num_stages=3, stages=(node.stage,))
         assert parsed.node_name == f"node{node.index}"
     assert (daemon.min_members, daemon.checkpoint_dir, daemon.run_id) == (4, tmp_path / "checkpoints", "up")
+
+
+def _subparser(*path):
+    parser = build_parser()
+    for name in path:
+        parser = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices[name]
+    return parser
+
+
+def test_every_run_flag_is_declared_once_for_node_run_up_and_swarm_local():
+    """A spec field's flag in ``node run``, ``up`` and ``swarm local`` is :data:`RUN_FLAGS`' declaration (its
+    type and choices), with the command's spec as its default: none declares its own copy."""
+    from node.cli.run_args import RUN_FLAGS
+    from node.launch.process_swarm import LOCAL_SPEC
+
+    fields = {f.name for f in dataclasses.fields(TrainSpec)}
+    for path, defaults, count in ((("node", "run"), TrainSpec(), len(fields) - 2), (("up",), UP_SPEC, 18),
+                                  (("swarm", "local"), LOCAL_SPEC, 3)):
+        actions = [a for a in _subparser(*path)._actions if a.dest in fields and a.dest not in ("stages", "auto")]
+        assert len({a.dest for a in actions}) == len(actions) == count, path  # node run: all but its stage choice
+        for action in actions:
+            flag = RUN_FLAGS[action.dest]
+            assert action.type is flag.type, (path, action.dest)
+            assert action.choices == (None if flag.choices is None else list(flag.choices)), (path, action.dest)
+            assert action.default == getattr(defaults, action.dest), (path, action.dest)
+            assert action.help and "{default}" not in action.help, (path, action.dest)

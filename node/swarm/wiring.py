@@ -1,0 +1,61 @@
+"""How the daemon hands its parts what they use: the coordinator, admission, membership's network parts and
+the RPC handlers each get explicit inputs (values, or callables for what starts late or is set later by a
+service), read from the daemon here and nowhere else, so none of them keeps the daemon."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from node.swarm.admission import Admission, challenge_over_p2p
+from node.swarm.coordinator import Coordinator
+from node.swarm.membership import MembershipParts
+from node.swarm.rpc_api import DaemonRpcApi, RpcSources
+
+if TYPE_CHECKING:
+    from node.swarm.host import SwarmHost
+    from protocol.messages import ScheduleEpoch
+
+__all__ = ["admission_of", "coordinator_of", "membership_parts", "rpc_api_of"]
+
+
+def membership_parts(daemon: "SwarmHost") -> MembershipParts:
+    """What membership works with once the daemon's network, coordinator and admission are up."""
+    return MembershipParts(
+        peer_id=daemon.peer_id, public_key=daemon.identity.public_key_bytes, stages=daemon.stages, view=daemon.view,
+        adverts=daemon.adverts, run=daemon.run, gossip=daemon.gossip, coordinator=daemon.coordinator,
+        admission=daemon.admission)
+
+
+def coordinator_of(daemon: "SwarmHost", on_adopt: Callable[["ScheduleEpoch"], None]) -> Coordinator:
+    """The daemon's coordinator over its view, run and admission, publishing through its membership; the
+    training service's hooks (progress, blocker) are read at each call, as the service sets them after."""
+    cfg = daemon.config
+    coordinator = Coordinator(
+        run_id=cfg.run_id, identity=daemon.identity, view=daemon.view, run=daemon.run, memory=cfg.memory_slots,
+        debounce_s=cfg.epoch_debounce_s, takeover_s=cfg.coordinator_timeout_s, budget_s=cfg.schedule_budget_s,
+        publish=daemon.membership.publish_epoch, on_adopt=on_adopt,
+        progress=lambda lead_s=0.0: daemon.training_progress(lead_s) if daemon.training_progress is not None else None,
+        admission=daemon.admission)
+    coordinator.blocker = lambda: daemon.coordination_blocker() if daemon.coordination_blocker is not None else None
+    return coordinator
+
+
+def admission_of(daemon: "SwarmHost") -> Admission:
+    """The daemon's admission: challenges over its libp2p host, progress from its training service."""
+    return Admission(
+        daemon.peer_id, daemon.config_digest, challenge_over_p2p(daemon), lambda: daemon.stages, daemon.log,
+        iteration=lambda: daemon.training_iteration() if daemon.training_iteration is not None else None,
+        epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0)
+
+
+def rpc_api_of(daemon: "SwarmHost") -> DaemonRpcApi:
+    """The built-in RPC handlers over the daemon's parts (made with the daemon, before any part starts)."""
+    return DaemonRpcApi(RpcSources(
+        config=daemon.config, protocol_version=daemon.protocol_version, metrics=daemon.metrics, log=daemon.log,
+        status=lambda: {**daemon.status_json(), "reachability": daemon.reachability.to_json()},
+        access=lambda: daemon.access, peer_id=lambda: daemon.peer_id, state=lambda: daemon.state,
+        run=lambda: daemon.run, training_summary=lambda: daemon.training_summary, view=lambda: daemon.view,
+        coordinator=lambda: daemon.coordinator, admission=lambda: daemon.admission,
+        healthy=lambda: (daemon.p2p is not None and daemon.p2p.is_alive and daemon.dht is not None
+                         and daemon.dht.is_alive()),
+        update_view_metrics=daemon.membership.update_view_metrics))
