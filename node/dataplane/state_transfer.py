@@ -55,7 +55,7 @@ from node.net.framing import FrameTooLarge, read_frame, write_frame
 from node.net.records import read_state_claims
 
 __all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_verified_state", "fetch_sketches",
-           "StateTransferError", "state_handler_name"]
+           "StateTransferError", "StateDisputed", "state_handler_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,11 @@ def state_handler_name(run_id: str) -> str:
 
 class StateTransferError(RuntimeError):
     """No live replica could hand over its state."""
+
+
+class StateDisputed(StateTransferError):
+    """Replicas handed over state, but every one was disputed by as many others as backed it: the stage's
+    replicas disagree (two replicas, one of them lying or diverged), and asking again soon will not help."""
 
 
 @dataclass
@@ -326,11 +331,13 @@ async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: in
     order = list(dict.fromkeys(peers))
     tried: set = set()
     catch_up = MAX_CATCH_UP_ROUNDS
+    disputed = False  # some source's state was refused because other replicas hold other weights
     while True:
         source = next((p for p in order if p not in tried), None)
         if source is None:
-            raise StateTransferError(f"no replica of stage {stage} handed over state the others back: "
-                                     + ("; ".join(errors) or "none alive"))
+            error = StateDisputed if disputed else StateTransferError
+            raise error(f"no replica of stage {stage} handed over state the others back: "
+                        + ("; ".join(errors) or "none alive"))
         tried.add(source)
         snap = await _fetch_one(p2p, run_id, source, stage, min_iteration, expected.max_bytes(), timeout_s, expected,
                                 errors)
@@ -363,5 +370,6 @@ async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: in
                        "back it", stage, snap.iteration, source[-8:], len(disagree),
                        ", ".join(p[-8:] for p in disagree), len(agree))
         errors.append(f"{source[-8:]}: its weights were disputed by {len(disagree)} other replica(s)")
+        disputed = True
         # the replicas that disputed it are the likeliest honest majority: try them next
         order = [p for p in order if p in disagree] + [p for p in order if p not in disagree]

@@ -30,7 +30,9 @@ than :data:`MAX_LAG_ITERATIONS` fails its probe (a joiner that could not verify 
 stuck on an old iteration); every iteration would otherwise wait for its missing norm until the norm
 timeout. A peer dropped this way is asked again only after a back-off that doubles with each drop
 (:data:`DROPPED_RETRY_S`), so a joiner that never manages to train costs the swarm a bounded share
-of its time. A member left out at the start barrier because it pinned another run
+of its time. A node that knows it cannot train (its join found its stage's replicas disagreeing) answers
+``ready: false``: it is not admitted, and as a member it is dropped at its next probe, without the wait
+for proof a silent member gets. A member left out at the start barrier because it pinned another run
 (:meth:`Admission.leave_out`) is never admitted again by this process.
 
 Not covered: a challenge proves a live daemon behind the identity with the right configuration, not
@@ -95,6 +97,8 @@ DROPPED_RETRY_S = 15.0
 #: Longest back-off of :data:`DROPPED_RETRY_S` (ten minutes: an honest node that failed to join many
 #: times still gets a try every few minutes).
 MAX_DROPPED_RETRY_S = 600.0
+#: Why a peer that answered ``ready: false`` is refused (and dropped at once as a member).
+NOT_READY = "not ready: it says it cannot train (its stage's replicas disagree)"
 
 
 def challenge_over_p2p(daemon) -> Callable[[str, dict], Awaitable[object]]:
@@ -129,13 +133,15 @@ class Admission:
 
     def __init__(self, self_id: str, config_digest: str, call: Callable[[str, dict], Awaitable[object]],
                  stages: Callable[[], tuple], log: logging.LoggerAdapter | logging.Logger = logger,
-                 iteration: Callable[[], int | None] = lambda: None, epoch_start: Callable[[], int] = lambda: 0):
+                 iteration: Callable[[], int | None] = lambda: None, epoch_start: Callable[[], int] = lambda: 0,
+                 ready: Callable[[], bool] = lambda: True):
         """``call(peer, params)``: the ``admit`` RPC to ``peer`` (raises on failure); ``iteration()``: the
         iteration this node's trainer last committed, None when it is not training; ``epoch_start()``: the
-        first iteration of the current epoch (members are held to our progress only past it)."""
+        first iteration of the current epoch (members are held to our progress only past it); ``ready()``:
+        False while this node knows it cannot train (its last join found no state it could verify)."""
         self.self_id, self.config_digest = self_id, config_digest
         self._call, self._stages, self._log = call, stages, log
-        self._iteration, self._epoch_start = iteration, epoch_start
+        self._iteration, self._epoch_start, self._ready = iteration, epoch_start, ready
         self._drops: dict[str, int] = {}  # peer -> times dropped as silent or not training
         self._members: set[str] = set()  # the epoch members of the last round
         self.admitted: dict[str, float] = {}  # peer -> when it answered its first challenge
@@ -174,7 +180,7 @@ class Admission:
         """The reply to another node's challenge."""
         nonce = params.get("nonce") if isinstance(params, dict) else None
         return {"nonce": str(nonce)[:MAX_NONCE_CHARS], "peer_id": self.self_id, "config_digest": self.config_digest,
-                "stages": list(self._stages()), "iteration": self._safe_iteration()}
+                "stages": list(self._stages()), "iteration": self._safe_iteration(), "ready": bool(self._ready())}
 
     def _safe_iteration(self) -> int | None:
         try:
@@ -186,6 +192,8 @@ class Admission:
     def _lag(self, reply: dict, ours: int | None, member: bool) -> str | None:
         """Why the peer's reported progress disqualifies it (stale or not training), or None.
         ``ours``: the iteration we had committed before asking."""
+        if reply.get("ready") is False:
+            return NOT_READY
         if ours is None:
             return None  # we are not training: nothing to compare with
         theirs = reply.get("iteration")
@@ -275,8 +283,9 @@ class Admission:
         failures = self._failures.setdefault(peer_id, _Failures(0, now))
         failures.count += 1
         _bound(self._failures)
-        if (peer_id not in self.silent and failures.count >= SILENT_AFTER_PROBES
-                and now - failures.since >= SILENT_AFTER_S):
+        own_word = why == NOT_READY  # "I cannot train", in its own signed-in answer: no need to wait for proof
+        if peer_id not in self.silent and (own_word or failures.count >= SILENT_AFTER_PROBES
+                                           and now - failures.since >= SILENT_AFTER_S):
             self.silent.add(peer_id)
             self.admitted.pop(peer_id, None)
             drops = self._drops[peer_id] = self._drops.pop(peer_id, 0) + 1

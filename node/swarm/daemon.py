@@ -142,10 +142,12 @@ class Daemon:
         #: Set whenever a new epoch is adopted; consumers clear it after reading current_epoch.
         self.epoch_changed = asyncio.Event()
         #: Set by a training service: the first iteration a new schedule epoch may start at, the iteration it last
-        #: committed (None while not training), why this node must not coordinate right now (None: nothing against it).
+        #: committed (None while not training), why this node must not coordinate right now (None: nothing against it),
+        #: whether it can train if named (False after a join that found its stage's replicas disagreeing).
         self.training_progress: Callable[[float], int | None] | None = None
         self.training_iteration: Callable[[], int | None] | None = None
         self.coordination_blocker: Callable[[], str | None] | None = None
+        self.training_ready: Callable[[], bool] | None = None
         self.started_at = time.time()
         self.gossip_access = GossipAccessControl(lambda: self.access, lambda: self.view, self.is_peer_allowed,
                                                  self.metrics, self.log)

@@ -54,6 +54,7 @@ class SwarmHost(Protocol):
     training_progress: Optional[Callable[[float], Optional[int]]]
     training_iteration: Optional[Callable[[], Optional[int]]]
     coordination_blocker: Optional[Callable[[], Optional[str]]]
+    training_ready: Optional[Callable[[], bool]]
 
     @property
     def current_epoch(self) -> Optional["ScheduleEpoch"]: ...

@@ -45,7 +45,8 @@ def admission_of(daemon: "SwarmHost") -> Admission:
     return Admission(
         daemon.peer_id, daemon.config_digest, challenge_over_p2p(daemon), lambda: daemon.stages, daemon.log,
         iteration=lambda: daemon.training_iteration() if daemon.training_iteration is not None else None,
-        epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0)
+        epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0,
+        ready=lambda: daemon.training_ready() if daemon.training_ready is not None else True)
 
 
 def rpc_api_of(daemon: "SwarmHost") -> DaemonRpcApi:

@@ -43,7 +43,12 @@ class TrainingStalled(RuntimeError):
 
 
 class JoinFailed(TrainingStalled):
-    """No live replica handed over the stage's state for a mid-run join (and no checkpoint)."""
+    """No live replica handed over the stage's state for a mid-run join (and no checkpoint).
+    ``disputed``: replicas answered but disagree with each other, so a retry soon would fail the same way."""
+
+    def __init__(self, message: str, disputed: bool = False):
+        super().__init__(message)
+        self.disputed = disputed
 
 
 @dataclass(frozen=True)

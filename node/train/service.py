@@ -38,6 +38,13 @@ __all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a node whose join found its stage's replicas disagreeing answers admission "not ready" (doubling
+#: with each such join up to MAX_JOIN_RETRY_S): replicas that disagree now will not agree a moment later,
+#: and every epoch that names a node which cannot train makes the members wait for its gradient norm.
+JOIN_RETRY_S = 60.0
+#: Longest such back-off: an honest joiner still tries every ten minutes (the liar may have left).
+MAX_JOIN_RETRY_S = 600.0
+
 
 class ServiceState(str, enum.Enum):
     """What the service is doing; the values are what the ``training`` RPC reports."""
@@ -101,6 +108,7 @@ class TrainerService:
         self.state = ServiceState.WAITING
         self.epoch = None  # the pinned ScheduleEpoch
         self.start_iteration: Optional[int] = None
+        self._join_failures, self._join_retry_at = 0, 0.0  # disputed joins so far; 'not ready' until then
         self.daemon: Optional[TrainerHost] = None
         #: the training flags a joiner must pass (the founder's banner prints them); set by the CLI
         self.join_flags: Optional[List[str]] = None
@@ -144,6 +152,7 @@ class TrainerService:
         daemon.training_progress = self.switch_iteration
         daemon.training_iteration = self.committed_iteration
         daemon.coordination_blocker = self.coordination_blocker
+        daemon.training_ready = self.ready_to_join
         daemon.on_schedule_epoch.append(self._offer_epoch)
 
     def switch_iteration(self, lead_s: float = 0.0) -> Optional[int]:
@@ -159,6 +168,20 @@ class TrainerService:
         if self.state is ServiceState.DONE:
             return self.iterations
         return None
+
+    def _join_backoff(self, disputed: bool) -> float:
+        """Seconds this node answers 'not ready' after a failed join (0 unless the replicas disagreed)."""
+        if not disputed:
+            return 0.0
+        self._join_failures += 1
+        backoff = min(JOIN_RETRY_S * 2 ** (self._join_failures - 1), MAX_JOIN_RETRY_S)
+        self._join_retry_at = time.monotonic() + backoff
+        return backoff
+
+    def ready_to_join(self) -> bool:
+        """For admission challenges: False during the back-off after a join that found its stage's replicas
+        disagreeing (an epoch naming this node would only wait for a member that cannot train)."""
+        return time.monotonic() >= self._join_retry_at
 
     def committed_iteration(self) -> Optional[int]:
         """For admission challenges: the iteration this node's trainer last committed, None while it is
@@ -222,7 +245,9 @@ class TrainerService:
                 except JoinFailed as e:
                     # the replica we need is busy or gone: the coordinator will issue another epoch
                     # (it starts later, so there is a newer state to fetch); try that one
-                    self.log.warning("%s; waiting for a later epoch to try again", e)
+                    backoff = self._join_backoff(e.disputed)
+                    self.log.warning("%s; waiting for a later epoch to try again%s", e,
+                                     f" (answering 'not ready' for {backoff:.0f} s)" if backoff else "")
                     self.waiting_reason = f"join failed, retrying with a later epoch: {e}"
                     left_at = max(int(epoch.start_iteration), 1)
                 except RepinEpoch as e:

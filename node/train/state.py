@@ -94,7 +94,7 @@ class StageState:
         iteration ``start - 1``), else from our own checkpoint; never silently from scratch. The
         state is decoded without running code, checked against this stage's tensors, and taken only
         when the stage's other replicas back it (:func:`fetch_verified_state`)."""
-        from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
+        from node.dataplane.state_transfer import StateDisputed, StateTransferError, fetch_verified_state
         expected = self.expected()
         # live replicas first (then by peer id, so every joiner asks in the same order), but ask the
         # others too: under load a live peer's advert can lapse for a moment, and a dead one only costs
@@ -120,7 +120,8 @@ class StageState:
         if snap is None:
             if not have_checkpoint:
                 raise JoinFailed(f"{self.node_name}: cannot join stage {self.epochs.stage} at iteration {start}: {error}; "
-                                 "no checkpoint either (--checkpoint-dir DIR --resume)") from None
+                                 "no checkpoint either (--checkpoint-dir DIR --resume)",
+                                 disputed=isinstance(error, StateDisputed)) from None
             self.log.warning("%s; continuing from the checkpoint of iteration %d", error, self.progress.committed)
             self.progress.committed = self.state_iteration = start - 1
             self.progress.current = start

@@ -339,3 +339,14 @@ async def test_a_member_left_out_of_an_epoch_answers_a_fresh_challenge_before_it
     c = _coordinator(identities[0], view, a, [])
     c.current = SimpleNamespace(members=(ids[0], ids[1]), epoch=2, start_iteration=10, coordinator=ids[0])
     assert set(c.target_membership()[1]) == {ids[0], ids[1]}
+
+
+async def test_a_node_that_says_it_cannot_train_is_not_admitted_and_dropped_at_once(identities):
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = _view(identities, 0, {0: (0,), 1: (1,), 2: (1,)})
+    answers = {ids[1]: {"peer_id": ids[1], "config_digest": DIGEST, "ready": False},
+               ids[2]: {"peer_id": ids[2], "config_digest": DIGEST, "ready": False}}
+    a = _admission(ids[0], answers)
+    assert not await a.round(view.online(), ()) and ids[1] not in a.admitted
+    assert await a.round([], (ids[0], ids[2])) and a.silent == {ids[2]}  # a member: out at its first probe
+    assert a.answer({"nonce": "n"})["ready"] is True

@@ -63,6 +63,7 @@ class FakeTrainer:
 def _service(iterations, trainer=None, state=ServiceState.TRAINING, daemon=None):
     service = TrainerService.__new__(TrainerService)
     service.iterations, service.trainer, service.state, service.daemon = iterations, trainer, state, daemon
+    service._join_failures, service._join_retry_at = 0, 0.0
     return service
 
 
@@ -163,6 +164,29 @@ def test_the_daemons_coordinator_asks_its_training_service(identities, tmp_path)
     assert "joining" in daemon.coordinator._blocked()  # the service's verdict on the daemon's epoch
     service.state = ServiceState.DONE
     assert daemon.coordinator._blocked() is None and daemon.coordinator._progress(0.0) == 100
+
+
+def test_after_a_disputed_join_the_daemon_answers_not_ready_for_a_doubling_while(identities, tmp_path):
+    """Two replicas of its stage disagree, so the joiner verified no state: until its back-off ends, its
+    admission answers say it cannot train (the members drop it at once instead of waiting for its norm)."""
+    from node.swarm.config import DaemonConfig
+    from node.swarm.daemon import Daemon
+    from node.swarm.wiring import admission_of
+    from node.train.service import JOIN_RETRY_S, MAX_JOIN_RETRY_S
+
+    daemon = Daemon(DaemonConfig(run_id="r", identity_path=tmp_path / "id.key"))
+    daemon.peer_id, daemon.stages = identities[0].peer_id.to_base58(), (1,)
+    admission = admission_of(daemon)
+    assert admission.answer({"nonce": "n"})["ready"] is True  # no service: nothing against it
+    service = _service(100, None, ServiceState.WAITING)
+    service.attach(daemon)
+    assert service._join_backoff(disputed=False) == 0 and admission.answer({"nonce": "n"})["ready"] is True
+    assert service._join_backoff(disputed=True) == JOIN_RETRY_S
+    assert admission.answer({"nonce": "n"})["ready"] is False
+    assert service._join_backoff(disputed=True) == 2 * JOIN_RETRY_S
+    assert max(service._join_backoff(disputed=True) for _ in range(10)) == MAX_JOIN_RETRY_S
+    service._join_retry_at = time.monotonic() - 1  # the back-off is over: it may try again
+    assert admission.answer({"nonce": "n"})["ready"] is True
 
 
 def test_a_failing_blocker_is_logged_once_and_coordination_goes_on(identities, caplog):

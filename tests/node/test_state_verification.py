@@ -22,7 +22,7 @@ import node.compat  # noqa: F401  (before hivemind)
 from hivemind.p2p import P2P
 
 from node.dataplane.state_codec import ExpectedState, encode_state, weights_digest, weights_sketch
-from node.dataplane.state_transfer import (StateServer, StateSnapshot, StateTransferError, fetch_state,
+from node.dataplane.state_transfer import (StateDisputed, StateServer, StateSnapshot, StateTransferError, fetch_state,
                                            fetch_verified_state)
 from node.train.model import build_stage, model_config
 from node.train.runtime import OptimConfig, StageRuntime
@@ -135,7 +135,8 @@ def test_wrong_weights_are_refused_when_another_replica_disagrees(lie):
     async def main():
         # the liar answers first; one honest replica disagrees: neither can win (one word against one)
         async with _swarm([_replica(wrong), _replica(honest)]) as (receiver, peers):
-            with pytest.raises(StateTransferError, match="disputed"):
+            # a dispute, told apart from "nobody answered": the joiner backs off instead of retrying at once
+            with pytest.raises(StateDisputed, match="disputed"):
                 await fetch_verified_state(receiver, RUN, peers, STAGE, ITERATION, expected=_receiver_expects())
         # two honest replicas: the liar is outvoted and the state comes from an honest one
         async with _swarm([_replica(wrong), _replica(honest), _replica(honest)]) as (receiver, peers):
