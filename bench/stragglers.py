@@ -29,7 +29,7 @@ latest schedule epoch number at the end; epochs are numbered 1, 2, ... per swarm
 
 All daemons share this machine's cores: an idle box gives the figures, a loaded one only says it works.
 
-Run: ``python bench/stragglers.py`` (30 measured iterations per configuration; about 15-25 minutes on 2
+Run: ``python bench/stragglers.py`` (3 + 30 iterations per configuration; about 10-15 minutes on 2 idle
 cores); ``--quick`` for a smoke run (1 + 3 iterations). Writes ``bench/results/stragglers.json``.
 """
 
