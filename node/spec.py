@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Tuple
 
 __all__ = ["TrainSpec", "DEFAULT_TRAIN_ITERATIONS", "DEFAULT_MICROBATCH_SIZE", "DEFAULT_MICROBATCHES",
            "DEFAULT_HEARTBEAT_S", "DEFAULT_RUN_ID", "DEFAULT_MEMORY_SLOTS", "DEFAULT_ITERATION_TIMEOUT_S",
-           "DEFAULT_AGREEMENT_TIMEOUT_S", "JOIN_FIELDS", "flag_of"]
+           "DEFAULT_AGREEMENT_TIMEOUT_S", "DEADLINE_SOURCES", "JOIN_FIELDS", "flag_of"]
 
 #: iterations a run trains when ``--iterations`` is not given (a short demonstration run)
 DEFAULT_TRAIN_ITERATIONS = 100
@@ -38,6 +38,11 @@ DEFAULT_MEMORY_SLOTS = 3
 DEFAULT_ITERATION_TIMEOUT_S = 600.0
 #: seconds to wait for every member of the pinned epoch to confirm it (volunteers start minutes apart)
 DEFAULT_AGREEMENT_TIMEOUT_S = 600.0
+
+#: Where a data node's microbatch deadlines come from: ``observed`` round trips of each route once it has enough
+#: of them (median + k x MAD, the cost model before that), or the cost ``model`` only. The second is the control of
+#: a straggler benchmark: the budgets a slow replica's microbatches get without observation.
+DEADLINE_SOURCES = ("observed", "model")
 
 #: What a joiner must repeat to train in the founder's run: what every member compares before training
 #: (model, data, optimiser, precision, wire), the start condition and the checkpoint settings. The run's
@@ -103,6 +108,8 @@ class TrainSpec:
     threads: Optional[int] = None
     iteration_timeout: float = DEFAULT_ITERATION_TIMEOUT_S
     agreement_timeout: float = DEFAULT_AGREEMENT_TIMEOUT_S
+    #: one of :data:`DEADLINE_SOURCES`; each data node's own policy (members need not agree on it)
+    deadlines: str = DEADLINE_SOURCES[0]
     # this node's stage choice: one of them, never both
     #: this node's stages (None with ``--auto``)
     stages: Optional[Tuple[int, ...]] = None

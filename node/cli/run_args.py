@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from node.cli.validate import (MAX_DURATION_S, MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_NODES, MAX_STAGES, MAX_THREADS,
                                float_range, int_range)
-from node.spec import TrainSpec, flag_of
+from node.spec import DEADLINE_SOURCES, TrainSpec, flag_of
 from node.train.precision import DEVICES, PRECISIONS
 from protocol.compression import WIRE_TABLE
 
@@ -95,6 +95,10 @@ RUN_FLAGS: Mapping[str, RunFlag] = {
                                  type=float_range(0, MAX_DURATION_S, lo_open=True)),
     "agreement_timeout": RunFlag("seconds to wait for every member of the pinned epoch to confirm it "
                                  "(default {default})", type=float_range(0, MAX_DURATION_S, lo_open=True)),
+    "deadlines": RunFlag("where a data node's microbatch deadlines come from: observed (median + k x MAD of the "
+                         "round trips measured on each route, the cost model until there are enough) or model (the "
+                         "cost model only, the control of bench/stragglers.py; default {default})",
+                         choices=DEADLINE_SOURCES),
 }
 
 

@@ -32,6 +32,9 @@ def test_node_run_train_flags_reach_the_trainer_config():
     assert (cfg.device, cfg.precision, cfg.wire, cfg.averaging.compression) == ("cpu", "fp16", "int8", "fp16")
     auto = training_services_from_args(p.parse_args(["--train"]))[0].config
     assert (auto.device, auto.precision, auto.wire) == ("cpu", "fp32", "fp32")  # auto precision on a CPU
+    assert auto.observed_deadlines.enabled  # observed deadlines by default; the cost model only when asked
+    model_only = training_services_from_args(p.parse_args(["--train", "--deadlines", "model"]))[0].config
+    assert not model_only.observed_deadlines.enabled
 
 
 def test_up_passes_the_flags_to_every_node(tmp_path):
