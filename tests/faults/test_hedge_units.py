@@ -139,3 +139,27 @@ def test_hedging_off_and_nowhere_else_to_go():
     rec.begin(0, 0, ("d", "a1", "b1", "d"), now=100.0)
     rec.expire(119.0)  # one replica per stage: no other route to hedge on
     assert not rec.pipeline.hedges and rec.hedges.sent == 0
+
+
+def test_a_route_node_forgets_an_attempt_its_data_node_gave_up():
+    """A discarded attempt's state and queued hop are freed at once, and its hops that still come are dropped,
+    so it holds no memory slot until the step (the other attempts of the microbatch go on)."""
+    from node.train.common import mb_key
+    from node.train.pipeline import MicrobatchPipeline
+    from protocol import ActivationMessage
+
+    runtime = _Runtime()
+    pipeline = MicrobatchPipeline(
+        TrainerConfig(run_id="r"), peer_id="a1", node_name="a1", epochs=SimpleNamespace(epoch=SimpleNamespace(epoch=0)),
+        progress=SimpleNamespace(current=0), resources=SimpleNamespace(runtime=runtime), sender=None, life=None,
+        memory_slots=lambda: 1)
+    pipeline.open, pipeline.opened = True, 0
+    route = ("d", "a1", "b1", "d")
+    pipeline.on_hop(ActivationMessage(_mb(0, 0), 1, route, None))
+    pipeline.on_hop(ActivationMessage(_mb(1, 0), 1, route, None))
+    pipeline.forget(_mb(0, 0))
+    assert runtime.dropped == [mb_key(_mb(0, 0))] and pipeline.queue_sizes() == (0, 1, 0, 0)
+    pipeline.on_hop(ActivationMessage(_mb(0, 0), 1, route, None))  # late: dropped
+    pipeline.on_hop(ActivationMessage(_mb(0, 1), 1, route, None))  # another attempt: queued
+    assert pipeline.queue_sizes() == (0, 2, 0, 0)
+    pipeline.stop_compute()
