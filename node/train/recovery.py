@@ -154,7 +154,7 @@ class RouteRecovery:
                 self._drop_attempt(a, tell_route=True)
                 if a.started:  # it took at least this long: a sample of its route, like a missed deadline
                     self.observed.observe(tuple(a.route), now - a.started)
-            self.hedges.discarded += len(losers)
+            self.hedges.discarded += sum(1 for a in losers if a.started)  # a hedge still queued was never sent
             self.hedges.won += winner is not p
             self.log.info("%s answered first for microbatch %d of iteration %d; %d other attempt(s) discarded",
                           "the hedge" if winner is not p else "the original", mb.index, mb.iteration, len(losers))
