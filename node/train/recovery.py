@@ -130,6 +130,7 @@ class RouteRecovery:
             if hedge is None or hedge.started:
                 return False
             hedge.started, hedge.deadline = now, now + budget  # a hedge is not hedged again (hedge_at stays inf)
+            self.hedges.sent += 1
             return True
         fresh = Pending(index, attempt, route, now + budget, started=now)
         if self.cfg.hedging.enabled:
@@ -205,7 +206,6 @@ class RouteRecovery:
         p.hedges[attempt] = Pending(p.index, attempt, route, math.inf)  # started by begin()
         self._queued_hedges.add((p.index, attempt))
         self._hedges_left -= 1
-        self.hedges.sent += 1
         self.log.warning("microbatch %d of iteration %d not back after %.1fs; hedging it as attempt %d on %s",
                          p.index, self.progress.current, now - p.started, attempt, [r[-6:] for r in route])
         self.pipeline.hedges.append((p.index, attempt, route))

@@ -99,8 +99,8 @@ def test_the_first_attempt_back_wins_and_the_other_is_discarded(winner):
     rec.expire(109.0)
     assert not rec.pipeline.hedges
     rec.expire(110.5)  # both late; one hedge an iteration of two microbatches
-    assert rec.pipeline.hedges == [(0, 1, ("d", "a2", "b2", "d"))] and rec.hedges.sent == 1
-    assert rec.begin(0, 1, ("d", "a2", "b2", "d"), now=111.0)
+    assert rec.pipeline.hedges == [(0, 1, ("d", "a2", "b2", "d"))] and rec.hedges.sent == 0  # queued
+    assert rec.begin(0, 1, ("d", "a2", "b2", "d"), now=111.0) and rec.hedges.sent == 1
     assert rec.answered(_mb(0, 2)) is None  # no such attempt
     won = rec.answered(_mb(0, winner))
     assert won is not None and won.attempt == winner and rec.pending[0] is won and not won.hedges
