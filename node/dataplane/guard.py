@@ -179,7 +179,7 @@ class MicrobatchGuard:
         if isinstance(msg, IterationDone):
             return self._check_done(msg, sender, pos)
         if isinstance(msg, HopFailure):
-            return self._check_failure(msg)
+            return self._check_failure(msg, sender)
         if isinstance(msg, NormReport):  # the direct norm exchange (node.train.commit)
             return self._check_norm_report(msg, sender, pos)
         return Rejection(NOT_FOR_US, f"{type(msg).__name__} does not travel on the data plane")
@@ -284,11 +284,12 @@ class MicrobatchGuard:
         # would stall the iteration; the window bounds the per-iteration state a peer can create
         return self._check_window(None, msg.iteration, pos)
 
-    def _check_failure(self, msg: HopFailure) -> Optional[Rejection]:
-        # permissive: the report names no route we could check it against; only the data node acts on it
+    def _check_failure(self, msg: HopFailure, sender: str) -> Optional[Rejection]:
+        # permissive: the report names no route we could check it against; only the data node acts on it,
+        # except one from the data node itself: it gave that attempt up, and a node of its route forgets it
         if msg.mb.run_id != self.run_id:
             return Rejection(WRONG_RUN, f"HopFailure of run {msg.mb.run_id[:64]!r}")
-        if msg.mb.data_node != self.self_id:
+        if msg.mb.data_node != self.self_id and sender != msg.mb.data_node:
             return Rejection(NOT_FOR_US, "HopFailure about another data node's microbatch")
         return None
 

@@ -182,6 +182,7 @@ class IterationCommit:
         runtime = self.resources.runtime
         assert runtime is not None
         dropped = sum(int(d.dropped) for d in st.done.values())
+        visits = runtime.visits  # before the step resets it
         averaged = await self._average(it)
         t_avg = time.perf_counter()
         # device work (norm, checksum) runs in the compute thread, never on the event loop
@@ -228,7 +229,7 @@ class IterationCommit:
             iteration=it, epoch=self.epochs.epoch.epoch, loss=sum(r.loss_sum for r in records.values()) / max(n_mb, 1),
             microbatches=n_mb, tokens=sum(r.tokens for r in records.values()),
             seconds=time.perf_counter() - t0, grad_norm=math.sqrt(total_sq), clip_coef=coef,
-            active_nodes=len(records), local_visits=runtime.visits, averaged=averaged,
+            active_nodes=len(records), local_visits=visits, averaged=averaged,
             microbatch_s=t_mb - t0, averaging_s=t_avg - t_mb, norm_exchange_s=t_norm - t_avg,
             step_s=time.perf_counter() - t_norm, dropped=dropped, retried=st.retried,
             resynced=source is not None, compute_overrun_s=behind[0], late_frames_s=behind[1])

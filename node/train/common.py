@@ -9,6 +9,7 @@ import asyncio
 import collections
 import enum
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -16,6 +17,7 @@ from node.spec import DEFAULT_ITERATION_TIMEOUT_S
 from node.train.averaging import AveragingConfig
 from node.train.data import DataConfig
 from node.train.deadlines import DeadlineConfig, ObservedDeadlineConfig
+from node.train.hedging import HedgeConfig
 from node.train.model import MODEL_SIZES, ModelConfig
 from node.train.runtime import OptimConfig
 
@@ -87,6 +89,8 @@ class TrainerConfig:
     deadlines: DeadlineConfig = DeadlineConfig()
     #: budgets from the round trips a data node measured on each route, once it has enough (median + k x MAD)
     observed_deadlines: ObservedDeadlineConfig = ObservedDeadlineConfig()
+    #: a microbatch late at its data node is sent again on other replicas before it is given up
+    hedging: HedgeConfig = HedgeConfig()
     #: deadlines of a trainer's first iteration are this many times longer: every stream to a
     #: neighbour is opened then and allocators warm up; on a loaded box that took ~3x a steady hop
     first_iteration_deadline_factor: float = 3.0
@@ -198,6 +202,21 @@ class Pending:
     deadline: float
     loss_done: bool = False
     started: float = 0.0  # monotonic time of the attempt's first forward
+    #: monotonic time at which it is hedged if not back (node.train.hedging); inf: never
+    hedge_at: float = math.inf
+    #: other live attempts of the same microbatch (hedges), by attempt number; the first back wins
+    hedges: Dict[int, "Pending"] = field(default_factory=dict)
+    hedged: int = 0  # hedges sent for this microbatch
+    #: the highest attempt number used for this microbatch: a new attempt never reuses one whose
+    #: frames may still be on their way (receivers refuse a frame id they have seen)
+    highest_attempt: int = -1
+
+    def next_attempt(self) -> int:
+        return max(self.attempt, self.highest_attempt, *self.hedges) + 1
+
+    def attempts(self) -> List["Pending"]:
+        """This attempt and its live hedges."""
+        return [self, *self.hedges.values()]
 
 
 @dataclass(frozen=True)

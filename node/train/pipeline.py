@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
-from node.train.common import NodeKilled, NodeLog, Pending, arrival_time, mb_key
+from node.train.common import NodeKilled, NodeLog, arrival_time, mb_key
 from protocol import ActivationMessage, GradientMessage, HopFailure, MicrobatchId, TensorFrame
 
 __all__ = ["MicrobatchPipeline"]
@@ -48,6 +48,9 @@ class MicrobatchPipeline:
         self._returns: Deque[object] = collections.deque()
         self._forwards: Deque[object] = collections.deque()
         self.starts: Deque[Tuple[int, int, Tuple[str, ...]]] = collections.deque()
+        #: data node: hedges of late microbatches, (index, attempt, route); started beyond the memory slots:
+        #: a hedge stands in for a microbatch stuck elsewhere, whose slot here it would otherwise wait for
+        self.hedges: Deque[Tuple[int, int, Tuple[str, ...]]] = collections.deque()
         # compute emulation: when each queued job could have started (monotonic; keyed by id of the
         # queued object), when the compute thread last finished, and the ready time of the running job
         self._ready_at: Dict[int, float] = {}
@@ -60,6 +63,8 @@ class MicrobatchPipeline:
         self.open = False  # the current iteration accepts microbatch work
         self.opened = -1  # the last iteration that was opened (its later messages are late, not early)
         self.overcommits = 0  # forwards admitted beyond the memory slots to break a cyclic wait
+        #: attempts their data node gave up this iteration (another attempt answered first): their hops are dropped
+        self._forgotten: set = set()
         #: why this node takes no more hops (it is leaving, e.g. its disk is full), or None
         self.refusing: Optional[str] = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="skippipe-compute")
@@ -94,12 +99,28 @@ class MicrobatchPipeline:
             return
         self.enqueue(msg, arrived)
 
+    def forget(self, mb) -> None:
+        """The data node of ``mb`` gave this attempt up (another one answered first): free its state and
+        memory slot here, drop its queued hop, and the hops of it that still come."""
+        key = mb_key(mb)
+        if mb.iteration != self.progress.current or self.resources.runtime is None:
+            return
+        self._forgotten.add(key)
+        self.resources.runtime.drop(key)
+        for queue in (self._forwards, self._returns):
+            for msg in [m for m in queue if mb_key(m.mb) == key]:
+                queue.remove(msg)
+                self._ready_at.pop(id(msg), None)
+        self.wakeup.set()
+
     def enqueue(self, msg: object, arrived: Optional[float] = None) -> None:
         """Queue a hop message for the compute worker; ``arrived`` (monotonic, default now) is when
         its work could have started at the earliest (compute emulation counts from then)."""
         epoch = self.epochs.epoch.epoch
         if msg.mb.epoch != epoch:
             self.log.warning("dropping %s of epoch %d during epoch %d", type(msg).__name__, msg.mb.epoch, epoch)
+            return
+        if mb_key(msg.mb) in self._forgotten:
             return
         self._ready_at[id(msg)] = time.monotonic() if arrived is None else arrived
         if isinstance(msg, GradientMessage):
@@ -135,12 +156,13 @@ class MicrobatchPipeline:
 
     def clear(self) -> None:
         """Forget queued work of the iteration that just closed."""
-        self._grads.clear(), self._returns.clear(), self._forwards.clear(), self.starts.clear()
+        self._grads.clear(), self._returns.clear(), self._forwards.clear(), self.starts.clear(), self.hedges.clear()
+        self._forgotten.clear()
         self._ready_at.clear()
 
     def queue_sizes(self) -> Tuple[int, int, int, int]:
         """(starts, forwards, losses, gradients) waiting for the worker."""
-        return len(self.starts), len(self._forwards), len(self._returns), len(self._grads)
+        return len(self.starts) + len(self.hedges), len(self._forwards), len(self._returns), len(self._grads)
 
     # ------------------------------------------------------------------ compute worker
     def _next_job(self):
@@ -151,6 +173,8 @@ class MicrobatchPipeline:
             return self._do_backward, self._grads.popleft()
         if self._returns:
             return self._do_loss, self._returns.popleft()
+        if self.hedges:
+            return self._do_start, self.hedges.popleft()
         if runtime.in_flight < self._memory_slots():
             if self._forwards:
                 return self._do_forward, self._forwards.popleft()
@@ -240,13 +264,13 @@ class MicrobatchPipeline:
         key = mb_key(mb)
         runtime, shard, recovery = self.resources.runtime, self.resources.shard, self.recovery
         assert shard is not None and runtime is not None
+        if not recovery.begin(index, attempt, route, time.monotonic()):
+            return  # a hedge no longer needed
         inputs, targets = shard.batch(it, index)
         self.targets[key] = targets
         st = self.progress.state(it)
         if attempt == 0:
             st.tokens += targets.numel()
-        now = time.monotonic()
-        recovery.pending[index] = Pending(index, attempt, route, now + recovery.budget_s(route), started=now)
         ready = self._job_ready_at
         frame = await self.compute(lambda: TensorFrame.from_tensor(runtime.start(key, inputs, ready_at=ready)))
         self.sender.spawn(recovery.send_forward(ActivationMessage(mb, 1, route, frame)))
@@ -256,15 +280,20 @@ class MicrobatchPipeline:
         runtime = self.resources.runtime
         assert runtime is not None
         ready = self._job_ready_at
+        if key in self._forgotten:
+            return  # given up while it waited (e.g. behind a straggling job)
         frame = await self.compute(lambda: TensorFrame.from_tensor(self._tampered(
             msg.mb.iteration, "activations", runtime.forward(key, msg.tensor.to_tensor(), ready_at=ready))))
+        if key in self._forgotten:
+            runtime.drop(key)
+            return
         self.sender.spawn(self.recovery.send_forward(ActivationMessage(msg.mb, msg.hop + 1, msg.route, frame)))
 
     async def _do_loss(self, msg) -> None:
         pending = self.recovery.pending
-        p = pending.get(msg.mb.index)
-        if p is None or p.attempt != msg.mb.attempt or p.loss_done:
-            return  # an attempt that was already given up (late), or a duplicate
+        p = self.recovery.answered(msg.mb)  # the first attempt back wins; the others are discarded
+        if p is None:
+            return  # an attempt that was already given up (late), a duplicate, or one another attempt beat
         key = mb_key(msg.mb)
         targets = self.targets.pop(key)
         runtime = self.resources.runtime

@@ -5,7 +5,9 @@ stage is skipped if the path's skip budget allows (``max_extra_skips`` beyond th
 else the data node is told (``HopFailure``). At the data node, which sees each of its microbatches
 from first forward to last backward: a microbatch past its deadline, routed through a node gone for
 ``left_grace_s``, or reported failed is recomputed on a fresh path (``max_retries`` times), else
-dropped, and the step is re-weighted over the microbatches that completed.
+dropped, and the step is re-weighted over the microbatches that completed. One that is late but not
+yet past its deadline is *hedged*: started again on other replicas while the original stays alive,
+the first back wins (:mod:`node.train.hedging`); a hedge counts as one of its recomputations.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from node.train.common import IterationState, NodeLog, Pending, mb_key, mb_name
 from node.train.deadlines import ObservedBudgets
-from protocol import ActivationMessage, HopFailure, IterationDone
+from node.train.hedging import HedgeCounters, hedge_after_s, hedges_allowed
+from protocol import ActivationMessage, HopFailure, IterationDone, MicrobatchId
 
 __all__ = ["RouteRecovery"]
 
@@ -49,6 +53,9 @@ class RouteRecovery:
         self.drops = 0
         #: data node: round trips measured per route, which set its budgets once there are enough
         self.observed = ObservedBudgets(cfg.observed_deadlines)
+        self.hedges = HedgeCounters()
+        self._hedges_left = 0  # data node: hedges this iteration may still send
+        self._queued_hedges: set = set()  # data node: (index, attempt) of hedges waiting for the worker
         self._monitor_task: Optional[asyncio.Task] = None
 
     def watch_norms_with(self, done_from_norms: Callable[[int, IterationState, float], Awaitable[float]]) -> None:
@@ -69,7 +76,9 @@ class RouteRecovery:
         epochs = self.epochs
         self._routes = epochs.routes()
         self.pending.clear()
+        self._queued_hedges.clear()
         st.remaining = len(self._routes)
+        self._hedges_left = hedges_allowed(st.remaining, self.cfg.hedging)
         if st.remaining == 0:
             for peer in epochs.members:
                 self.sender.send_control(peer, IterationDone(self.cfg.run_id, epochs.epoch.epoch, it, self.peer_id, {}, 0))
@@ -108,6 +117,108 @@ class RouteRecovery:
     def completed(self, p: Pending) -> None:
         """Data node: microbatch ``p`` is back; its round trip is a sample of its route's budget."""
         self.observed.observe(tuple(p.route), time.monotonic() - p.started)
+
+    # ------------------------------------------------------------------ data node: attempts and hedges
+    def begin(self, index: int, attempt: int, route: Tuple[str, ...], now: float) -> bool:
+        """The worker starts attempt ``attempt`` of microbatch ``index`` on ``route`` (its deadline and hedge
+        time count from ``now``). False: a hedge whose microbatch was answered or given up meanwhile."""
+        budget = self.budget_s(route)
+        if (index, attempt) in self._queued_hedges:
+            self._queued_hedges.discard((index, attempt))
+            p = self.pending.get(index)
+            hedge = None if p is None or p.loss_done else p if p.attempt == attempt else p.hedges.get(attempt)
+            if hedge is None or hedge.started:
+                return False
+            hedge.started, hedge.deadline = now, now + budget  # a hedge is not hedged again (hedge_at stays inf)
+            self.hedges.sent += 1
+            return True
+        fresh = Pending(index, attempt, route, now + budget, started=now)
+        if self.cfg.hedging.enabled:
+            fresh.hedge_at = now + hedge_after_s(budget, self.observed.samples(tuple(route)), self.cfg.hedging)
+        self.pending[index] = fresh
+        return True
+
+    def answered(self, mb) -> Optional[Pending]:
+        """Data node: an activation of attempt ``mb.attempt`` is back for its loss. The first attempt of a
+        microbatch back wins: it becomes the microbatch's record and the others are discarded; None if this
+        attempt was given up (late) or another one won."""
+        p = self.pending.get(mb.index)
+        if p is None or p.loss_done or mb.iteration != self.progress.current:
+            return None
+        winner = p if p.attempt == mb.attempt else p.hedges.get(mb.attempt)
+        if winner is None or not winner.started:
+            return None
+        if p.hedges:
+            now = time.monotonic()
+            losers = [a for a in p.attempts() if a is not winner]
+            for a in losers:
+                self._drop_attempt(a, tell_route=True)
+                if a.started:  # it took at least this long: a sample of its route, like a missed deadline
+                    self.observed.observe(tuple(a.route), now - a.started)
+            self.hedges.discarded += sum(1 for a in losers if a.started)  # a hedge still queued was never sent
+            self.hedges.won += winner is not p
+            self.log.info("%s answered first for microbatch %d of iteration %d; %d other attempt(s) discarded",
+                          "the hedge" if winner is not p else "the original", mb.index, mb.iteration, len(losers))
+            winner.highest_attempt = p.next_attempt() - 1
+            winner.hedges, winner.hedged = {}, p.hedged
+            self.pending[mb.index] = winner
+        return winner
+
+    def _drop_attempt(self, a: Pending, tell_route: bool = False) -> None:
+        """Forget the local state of attempt ``a`` (its frames that still come are ignored); ``tell_route``:
+        the nodes of its route forget it too (a forward never answered would hold a memory slot at each of
+        them until the step: a hedge's loser is alive, not lost)."""
+        epoch, it = self.epochs.epoch.epoch, self.progress.current
+        key = (self.peer_id, epoch, it, a.index, a.attempt)
+        self.resources.runtime.drop(key)
+        self.pipeline.targets.pop(key, None)
+        if tell_route and a.started and not a.loss_done:
+            mb = MicrobatchId(self.cfg.run_id, epoch, it, self.peer_id, a.index, a.attempt)
+            for hop, peer in enumerate(a.route[1:-1], start=1):
+                if peer != self.peer_id:
+                    self.sender.send_control(peer, HopFailure(mb, hop, self.peer_id, "discarded: another attempt "
+                                                                                      "answered first"))
+
+    def _give_up_attempt(self, p: Pending, a: Pending, why: str) -> None:
+        """Attempt ``a`` of microbatch ``p`` failed: another live attempt carries on, else the microbatch fails."""
+        if not p.hedges:
+            self.fail_microbatch(p, why)
+            return
+        self.log.warning("attempt %d of microbatch %d failed (%s); its other attempt goes on", a.attempt, p.index, why)
+        self._drop_attempt(a)
+        if a is not p:
+            p.hedges.pop(a.attempt, None)
+            return
+        successor = min(p.hedges.values(), key=lambda h: h.attempt)
+        successor.highest_attempt = p.next_attempt() - 1
+        del p.hedges[successor.attempt]
+        successor.hedges, successor.hedged = p.hedges, p.hedged
+        self.pending[p.index] = successor
+
+    def _hedge(self, p: Pending, now: float) -> None:
+        """Start microbatch ``p`` again on other replicas (if any), keeping the original alive."""
+        route = self.hedge_route(p.route)
+        if route is None:
+            p.hedge_at = math.inf  # nowhere else to go: its deadline decides
+            return
+        attempt = p.next_attempt()
+        p.highest_attempt, p.hedged, p.hedge_at = attempt, p.hedged + 1, math.inf
+        p.hedges[attempt] = Pending(p.index, attempt, route, math.inf)  # started by begin()
+        self._queued_hedges.add((p.index, attempt))
+        self._hedges_left -= 1
+        self.log.warning("microbatch %d of iteration %d not back after %.1fs; hedging it as attempt %d on %s",
+                         p.index, self.progress.current, now - p.started, attempt, [r[-6:] for r in route])
+        self.pipeline.hedges.append((p.index, attempt, route))
+        self.pipeline.wakeup.set()
+
+    def hedge_route(self, route: Tuple[str, ...]) -> Optional[Tuple[str, ...]]:
+        """``route`` with every node replaced by another usable replica of its stage where there is one (the
+        data node does not know which hop is late); None if no node could be replaced."""
+        new: List[str] = [self.peer_id]
+        for hop, peer in enumerate(route[1:-1], start=1):
+            alt = self._alternative(tuple(new) + (peer,), hop, set(route))
+            new.append(alt if alt is not None else peer)
+        return None if new == list(route[:-1]) else tuple(new) + (self.peer_id,)
 
     # ------------------------------------------------------------------ routing
     def _min_path_stages(self) -> int:
@@ -173,7 +284,8 @@ class RouteRecovery:
     def on_hop_failure(self, msg, sender: Optional[str] = None) -> None:
         """Data node: a hop of one of our microbatches failed (reported by a node of its route)."""
         p = self.pending.get(msg.mb.index)
-        if p is None or p.attempt != msg.mb.attempt or msg.mb.iteration != self.progress.current:
+        a = None if p is None else p if p.attempt == msg.mb.attempt else p.hedges.get(msg.mb.attempt)
+        if a is None or msg.mb.iteration != self.progress.current:
             return
         if sender is not None and sender != self.peer_id and not self._could_be_on_route(sender, p.route):
             self.log.warning("ignoring a hop failure about %s from %s, which is not on that route", mb_name(msg.mb),
@@ -181,7 +293,7 @@ class RouteRecovery:
             return
         if msg.peer_id != self.peer_id:
             self.health.suspect(msg.peer_id, f"hop {msg.hop} of {mb_name(msg.mb)}: {msg.reason}")
-        self.fail_microbatch(p, f"hop failure at hop {msg.hop}: {msg.reason}")
+        self._give_up_attempt(p, a, f"hop failure at hop {msg.hop}: {msg.reason}")
 
     def _could_be_on_route(self, peer: str, route) -> bool:
         """``peer`` is on ``route`` or a replica of one of its stages (re-routing may have put it there)."""
@@ -198,17 +310,17 @@ class RouteRecovery:
         """Retry a microbatch whose forward failed on a fresh path, or drop it (never hang)."""
         it = self.progress.current
         st = self.progress.state(it)
-        old_key = (self.peer_id, self.epochs.epoch.epoch, it, p.index, p.attempt)
-        self.resources.runtime.drop(old_key)
-        self.pipeline.targets.pop(old_key, None)
-        if not p.loss_done and p.attempt < self.cfg.max_retries:
+        for a in p.attempts():
+            self._drop_attempt(a)
+        # hedges count as recomputations: attempt numbers past max_retries are not retried
+        if not p.loss_done and p.next_attempt() <= self.cfg.max_retries:
             route = self.fresh_route(p.index)
             if route is not None:
                 self.log.warning("microbatch %d of iteration %d failed (%s); recomputing as attempt %d on %s", p.index,
                                  it, why, p.attempt + 1, [r[-6:] for r in route])
                 self.pending.pop(p.index, None)
                 st.retried += 1
-                self.pipeline.starts.append((p.index, p.attempt + 1, route))
+                self.pipeline.starts.append((p.index, p.next_attempt(), route))
                 self.pipeline.wakeup.set()
                 return
         self.log.warning("dropping microbatch %d of iteration %d (%s); the step is re-weighted over the "
@@ -278,17 +390,26 @@ class RouteRecovery:
             await asyncio.sleep(self.cfg.liveness_poll_s)
 
     def expire(self, now: float) -> None:
-        """Data node: fail its microbatches routed through a node gone for ``left_grace_s`` or past their deadline."""
-        gone = self.health.gone({r for p in self.pending.values() for r in p.route}, now, self.cfg.left_grace_s)
+        """Data node: fail its microbatches routed through a node gone for ``left_grace_s`` or past their
+        deadline (each attempt of a hedged one on its own); hedge those past their hedge time."""
+        routes = {r for p in self.pending.values() for a in p.attempts() for r in a.route}
+        gone = self.health.gone(routes, now, self.cfg.left_grace_s)
         for p in list(self.pending.values()):
-            dead = [r for r in p.route if r in gone]
-            if dead:
-                self.fail_microbatch(p, f"{dead[0][-8:]} left the swarm")
-            elif now > p.deadline:
-                # its real round trip is longer still: counted as this, a lasting slow-down raises the
-                # budgets of its route within a few misses
-                self.observed.observe(tuple(p.route), now - p.started)
-                self.fail_microbatch(p, f"deadline of {p.deadline - p.started:.1f}s passed")
+            for a in p.attempts():
+                dead = [r for r in a.route if r in gone]
+                if dead:
+                    self._give_up_attempt(p, a, f"{dead[0][-8:]} left the swarm")
+                    break
+                if a.started and now > a.deadline:
+                    # its real round trip is longer still: counted as this, a lasting slow-down raises the
+                    # budgets of its route within a few misses
+                    self.observed.observe(tuple(a.route), now - a.started)
+                    self._give_up_attempt(p, a, f"deadline of {a.deadline - a.started:.1f}s passed")
+                    break
+            else:
+                if (now >= p.hedge_at and not p.loss_done and self._hedges_left > 0
+                        and p.hedged < self.cfg.hedging.max_per_microbatch):
+                    self._hedge(p, now)
 
     def _report_stall(self, it: int) -> None:
         """Log what an iteration that has been open for long still waits for."""

@@ -407,7 +407,10 @@ class TrainerService:
             "recovery": ({"reroutes": t.reroutes, "skips": t.skips, "resyncs": t.resyncs,
                           "retried": sum(s.retried for s in t.history), "dropped": sum(s.dropped for s in t.history),
                           # where this data node's microbatch deadlines come from (observed round trips or the cost model)
-                          "deadlines": t.recovery.observed.report()}
+                          "deadlines": t.recovery.observed.report(),
+                          # late microbatches sent again on other replicas: sent, won (the hedge came back first),
+                          # discarded (attempts given up because another attempt of the microbatch came back first)
+                          "hedges": t.recovery.hedges.report()}
                          if t is not None else None),
             # the epoch training runs on now (it changes at iteration boundaries), else the pinned one
             "epoch": (t.epoch.epoch if t is not None and t.epoch is not None

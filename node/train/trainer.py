@@ -77,7 +77,8 @@ logger = logging.getLogger(__name__)
 def dispatch(msg: object, sender: str, run_id: str, me: str, *, progress: IterationProgress, commit: IterationCommit,
              recovery: RouteRecovery, pipeline: MicrobatchPipeline) -> None:
     """The one place a trainer's incoming messages are sorted: each goes to the part that owns it (messages of
-    another run are dropped; a hop failure only matters to the data node of its microbatch)."""
+    another run are dropped; a hop failure matters to the data node of its microbatch, and one *from* that data
+    node says it gave the attempt up, so this node forgets it)."""
     if isinstance(msg, IterationDone):
         if msg.run_id == run_id:
             progress.on_iteration_done(msg)
@@ -86,6 +87,8 @@ def dispatch(msg: object, sender: str, run_id: str, me: str, *, progress: Iterat
     elif isinstance(msg, HopFailure):
         if msg.mb.run_id == run_id and msg.mb.data_node == me:
             recovery.on_hop_failure(msg, sender)
+        elif msg.mb.run_id == run_id and msg.mb.data_node == sender:
+            pipeline.forget(msg.mb)
     elif isinstance(msg, HopMessage) and msg.mb.run_id == run_id:
         pipeline.on_hop(msg)
 

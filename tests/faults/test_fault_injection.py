@@ -20,6 +20,7 @@ from node.launch.inproc_swarm import InProcessSwarm
 from node.launch.schedules import build_schedule
 from node.train.data import DataConfig
 from node.train.faults import FaultInjector, parse_fault
+from node.train.hedging import HedgeConfig
 from node.train.model import model_config
 from node.train.runtime import OptimConfig
 from node.train.trainer import TrainerConfig
@@ -31,12 +32,14 @@ ITERATIONS = 6
 SCHEDULE = build_schedule(4, data_nodes=2, replicas=[2, 2, 2], path_length=4, microbatches=3, memory=2)
 
 CASES = {
-    # a lost activation: only the data node's deadline can notice; the microbatch is recomputed
+    # a lost activation: only the data node's deadline can notice (hedging off here: a hedge would rescue it
+    # sooner, as in delay-forward); the microbatch is recomputed
     "drop-forward": (2, "drop@iteration=1,hop=1,direction=forward,times=2"),
     # a lost gradient: the loss is already computed, so the microbatch is dropped and the step re-weighted
     "drop-backward": (4, "drop@iteration=1,hop=2,direction=backward"),
-    # a straggler: a late hop within its deadline changes nothing but time
-    "delay-forward": (6, "delay@iteration=2,hop=3,direction=forward,delay=3"),
+    # a straggler: a hop late past its hedge time (half its ~13 s budget) but not its deadline is hedged to
+    # the other replica; the first attempt back wins and the other is discarded (counted once either way)
+    "delay-forward": (6, "delay@iteration=2,hop=3,direction=forward,delay=10"),
     # a stage node dies mid-forward: in-flight activations re-route to the other replica
     "kill-forward": (3, "kill@iteration=2,hop=1,direction=forward"),
     # a stage node dies mid-backward: the microbatches it held are dropped
@@ -46,8 +49,13 @@ CASES = {
 }
 
 
-def _config(run_id):
+#: cases that run with hedging off, so that the recovery path they are about is the one that runs
+NO_HEDGING = {"drop-forward"}
+
+
+def _config(run_id, hedging: bool = True):
     return TrainerConfig(run_id=run_id, model=model_config("tiny", n_stages=4), optim=OptimConfig(lr=3e-3),
+                         hedging=HedgeConfig(enabled=hedging),
                          data=DataConfig(microbatch_size=4), max_extra_skips=1)
 
 
@@ -56,7 +64,7 @@ async def test_training_survives_injected_fault(case, splits):
     victim, spec = CASES[case]
     injectors = {victim: FaultInjector([parse_fault(spec)])}
     rule = injectors[victim].rules[0]
-    async with InProcessSwarm(SCHEDULE, _config(f"fault-{case}"), splits,
+    async with InProcessSwarm(SCHEDULE, _config(f"fault-{case}", case not in NO_HEDGING), splits,
                           faults_for=lambda i: injectors.get(i)) as swarm:
         await swarm.train(ITERATIONS)
         nodes = swarm.nodes
@@ -71,6 +79,11 @@ async def test_training_survives_injected_fault(case, splits):
         }
         killed = [n.node_name for n in nodes if n.killed]
         losses = [s.loss for s in survivors[0].history]
+        hedges = [n.recovery.hedges for n in survivors if n.is_data_node]
+        # per iteration: the microbatches whose backward ran at each stage's replicas together
+        visits = [{s: sum(n.history[i].local_visits for n in survivors if n.stage == s) for s in range(4)}
+                  for i in range(ITERATIONS)]
+        counted = [(s.microbatches, s.dropped) for s in survivors[0].history]
     assert injectors[victim].fired, f"rule {spec} never fired"
     assert all(h == list(range(ITERATIONS)) for h in histories.values()), histories
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
@@ -85,6 +98,13 @@ async def test_training_survives_injected_fault(case, splits):
         assert recovery["dropped"] >= 1, recovery
     if case == "kill-forward":
         assert recovery["reroutes"] + recovery["retried"] >= 1, recovery
+    if case == "delay-forward":
+        # each microbatch counted exactly once: losses plus drops are the schedule's microbatches, and every
+        # stage ran the backward of each counted microbatch once (no stage is skipped by a delay)
+        assert all(n + d == 6 for n, d in counted), counted
+        assert all(set(v.values()) == {n} for v, (n, _) in zip(visits, counted)), (visits, counted)
+        assert sum(h.sent for h in hedges) >= 1 and sum(h.won for h in hedges) >= 1, hedges
+        assert sum(h.discarded for h in hedges) >= 1, hedges
     if case == "kill-backward":
         assert recovery["dropped"] + recovery["retried"] >= 1, recovery
 

@@ -160,6 +160,8 @@ def test_hop_owned_by_another_node_is_rejected():
     other = (DATA, PREV, "someone", NEXT, DATA)
     assert g.check(activation(RUN, other, 2, frame(SHAPE), epoch=EPOCH, iteration=ITERATION), PREV) == "not_for_us"
     assert g.check(HopFailure(good_activation().mb, 2, PREV, "x"), PREV) == "not_for_us"  # data node is DATA
+    # ... but the data node itself may say it gave an attempt up (a hedge beat it): a route node forgets it
+    assert g.check(HopFailure(good_activation().mb, 2, DATA, "discarded"), DATA) is None
 
 
 def test_impossible_hops_are_rejected():
