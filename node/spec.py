@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Tuple
 
 __all__ = ["TrainSpec", "DEFAULT_TRAIN_ITERATIONS", "DEFAULT_MICROBATCH_SIZE", "DEFAULT_MICROBATCHES",
            "DEFAULT_HEARTBEAT_S", "DEFAULT_RUN_ID", "DEFAULT_MEMORY_SLOTS", "DEFAULT_ITERATION_TIMEOUT_S",
-           "DEFAULT_AGREEMENT_TIMEOUT_S", "DEADLINE_SOURCES", "JOIN_FIELDS", "flag_of"]
+           "DEFAULT_AGREEMENT_TIMEOUT_S", "DEADLINE_SOURCES", "HEDGING_MODES", "JOIN_FIELDS", "flag_of"]
 
 #: iterations a run trains when ``--iterations`` is not given (a short demonstration run)
 DEFAULT_TRAIN_ITERATIONS = 100
@@ -43,6 +43,9 @@ DEFAULT_AGREEMENT_TIMEOUT_S = 600.0
 #: of them (median + k x MAD, the cost model before that), or the cost ``model`` only. The second is the control of
 #: a straggler benchmark: the budgets a slow replica's microbatches get without observation.
 DEADLINE_SOURCES = ("observed", "model")
+#: Whether a data node hedges a late microbatch on other replicas (``on``) or only waits for its deadline
+#: (``off``: the other control of the straggler benchmark).
+HEDGING_MODES = ("on", "off")
 
 #: What a joiner must repeat to train in the founder's run: what every member compares before training
 #: (model, data, optimiser, precision, wire), the start condition and the checkpoint settings. The run's
@@ -110,6 +113,8 @@ class TrainSpec:
     agreement_timeout: float = DEFAULT_AGREEMENT_TIMEOUT_S
     #: one of :data:`DEADLINE_SOURCES`; each data node's own policy (members need not agree on it)
     deadlines: str = DEADLINE_SOURCES[0]
+    #: one of :data:`HEDGING_MODES`; each data node's own policy too
+    hedging: str = HEDGING_MODES[0]
     # this node's stage choice: one of them, never both
     #: this node's stages (None with ``--auto``)
     stages: Optional[Tuple[int, ...]] = None

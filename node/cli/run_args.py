@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from node.cli.validate import (MAX_DURATION_S, MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_NODES, MAX_STAGES, MAX_THREADS,
                                float_range, int_range)
-from node.spec import DEADLINE_SOURCES, TrainSpec, flag_of
+from node.spec import DEADLINE_SOURCES, HEDGING_MODES, TrainSpec, flag_of
 from node.train.precision import DEVICES, PRECISIONS
 from protocol.compression import WIRE_TABLE
 
@@ -99,6 +99,9 @@ RUN_FLAGS: Mapping[str, RunFlag] = {
                          "round trips measured on each route, the cost model until there are enough) or model (the "
                          "cost model only, the control of bench/stragglers.py; default {default})",
                          choices=DEADLINE_SOURCES),
+    "hedging": RunFlag("whether a data node re-sends a late microbatch on other replicas (the first back wins) "
+                       "before its deadline: on, or off (the control of bench/stragglers.py; default {default})",
+                       choices=HEDGING_MODES),
 }
 
 

@@ -81,7 +81,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(g, ("train", *MODEL_DATA_FIELDS, "iterations", "checkpoint_dir", "checkpoint_every", "resume",
                           "min_members", "lr", "seed", "microbatch_size", "seq_len", *PRECISION_WIRE_FIELDS))
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
-    add_run_arguments(g, ("threads", "iteration_timeout", "deadlines"))
+    add_run_arguments(g, ("threads", "iteration_timeout", "deadlines", "hedging"))
     g.add_argument("--start-debounce", type=float_range(0, MAX_DURATION_S), default=None,
                    help="seconds the schedule epoch must stay current before training pins it (default 3 heartbeats)")
     add_run_arguments(g, ("agreement_timeout",))
@@ -131,6 +131,7 @@ def training_services_from_args(args: argparse.Namespace, spec: TrainSpec | None
 
     from node.train.averaging import AveragingConfig, averaging_compression_for_wire
     from node.train.deadlines import ObservedDeadlineConfig
+    from node.train.hedging import HedgeConfig
     from node.train.precision import resolve_device, resolve_precision
     from node.train.runtime import OptimConfig
     from node.train.service import TrainerService
@@ -157,6 +158,7 @@ def training_services_from_args(args: argparse.Namespace, spec: TrainSpec | None
         resume=spec.resume,
         iteration_timeout_s=spec.iteration_timeout,
         observed_deadlines=ObservedDeadlineConfig(enabled=spec.deadlines == "observed"),
+        hedging=HedgeConfig(enabled=spec.hedging == "on"),
         **({} if args.ban is None else {"ban_s": args.ban, "ban_max_s": BAN_MAX_FACTOR * args.ban}),
     )
     service = TrainerService(config, spec.iterations, node_name=args.node_name, min_members=spec.min_members,

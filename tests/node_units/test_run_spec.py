@@ -21,7 +21,7 @@ from node.cli.train_args import MODEL_SIZE_NAMES
 from node.cli.up_runners import UP_SPEC, UpOptions, _daemon_spec, _node_args
 from node.cli.validate import MAX_DURATION_S, MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_NODES, MAX_STAGES, MAX_THREADS
 from node.launch.process_swarm import ProcessSwarm
-from node.spec import DEADLINE_SOURCES, JOIN_FIELDS, TrainSpec
+from node.spec import DEADLINE_SOURCES, HEDGING_MODES, JOIN_FIELDS, TrainSpec
 from node.train.precision import DEVICES, PRECISIONS
 from protocol.compression import WIRE_TABLE
 
@@ -67,6 +67,7 @@ FIELDS = {
     "iteration_timeout": _positive(MAX_DURATION_S),
     "agreement_timeout": _positive(MAX_DURATION_S),
     "deadlines": st.sampled_from(DEADLINE_SOURCES),
+    "hedging": st.sampled_from(HEDGING_MODES),
 }
 #: --stages and --auto exclude each other
 _STAGE_CHOICE = (st.just((None, False)) | st.just((None, True))

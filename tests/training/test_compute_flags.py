@@ -35,6 +35,8 @@ def test_node_run_train_flags_reach_the_trainer_config():
     assert auto.observed_deadlines.enabled  # observed deadlines by default; the cost model only when asked
     model_only = training_services_from_args(p.parse_args(["--train", "--deadlines", "model"]))[0].config
     assert not model_only.observed_deadlines.enabled
+    assert auto.hedging.enabled  # hedged microbatches by default; off for the straggler bench's control
+    assert not training_services_from_args(p.parse_args(["--train", "--hedging", "off"]))[0].config.hedging.enabled
 
 
 def test_up_passes_the_flags_to_every_node(tmp_path):
