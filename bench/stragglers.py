@@ -219,12 +219,7 @@ def run_config(args, name: str, slow: bool, features: bool, switches, base: path
     except UserError as e:  # the launcher's or the watch's: a daemon that would not start, a stall, an error
         raise BenchError(f"{name}: {e}") from None
     finally:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the clean stop
-        try:
-            swarm.stop()
-            leftover = [p for n in swarm.nodes for p in n.group_pids()]
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        leftover = swarm.stop_shielded()
     first = int(watch.first or 0) + args.warmup
     stats = summarize(watch.history, first, args.iterations)
     sent = hedges_sent(finals)

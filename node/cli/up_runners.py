@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-import signal
 import sys
 import time
 import types
@@ -369,12 +368,7 @@ def run_up_swarm(opts: UpOptions) -> dict:
         while not watch.poll():
             time.sleep(_POLL_S)
     finally:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the clean stop
-        try:
-            swarm.stop()
-            leftover = [p for n in swarm.nodes for p in n.group_pids()]
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        leftover = swarm.stop_shielded()
     history = watch.history if watch is not None else []
     first, t_first = (watch.first, watch.t_first) if watch is not None else (None, None)
     t_end = time.perf_counter()

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, List, Sequence
 
 from node.errors import UserError
 from node.net.rpc import call_http
@@ -313,6 +313,16 @@ class ProcessSwarm:
         except subprocess.TimeoutExpired:
             pass
         self._reap_group(node, 0.0)
+
+    def stop_shielded(self) -> List[int]:
+        """:meth:`stop` with SIGINT ignored meanwhile (a second Ctrl+C must not abort the clean stop of a
+        command's swarm); returns the pids still left in the daemons' process groups (none expected)."""
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.stop()
+            return [p for n in self.nodes for p in n.group_pids()]
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def stop(self, grace: float = DEFAULT_STOP_GRACE_S) -> None:
         """SIGTERM every daemon, wait up to ``grace``, then SIGKILL what is left of each group."""
