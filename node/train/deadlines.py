@@ -32,7 +32,7 @@ from scheduler.cost import CostMatrix
 from scheduler.schedule import Schedule
 from scheduler.simulator import simulate
 
-__all__ = ["DeadlineConfig", "HopDeadlines", "ObservedDeadlineConfig", "ObservedBudgets", "robust_budget"]
+__all__ = ["DeadlineConfig", "HopDeadlines", "ObservedDeadlineConfig", "ObservedBudgets", "median_mad", "robust_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +152,20 @@ class ObservedDeadlineConfig:
             raise ValueError(f"need k >= 0, min_ratio >= 1 and 0 < floor_s <= cap_s: {self}")
 
 
-def robust_budget(samples: Sequence[float], cfg: ObservedDeadlineConfig, floor_s: float = 0.0) -> float:
-    """``median + k x MAD`` of ``samples`` (seconds), at least ``min_ratio x median``, within
-    ``[max(cfg.floor_s, floor_s), cap_s]``. Pure: the same samples in any order give the same budget."""
+def median_mad(samples: Sequence[float]) -> Tuple[float, float]:
+    """Median and median absolute deviation of ``samples`` (order-free); the spread every observed time
+    here is judged by (deadlines, hedges, the report)."""
     values = sorted(float(x) for x in samples)
     if not values:
         raise ValueError("no samples")
     med = statistics.median(values)
-    mad = statistics.median(sorted(abs(x - med) for x in values))
+    return med, statistics.median(sorted(abs(x - med) for x in values))
+
+
+def robust_budget(samples: Sequence[float], cfg: ObservedDeadlineConfig, floor_s: float = 0.0) -> float:
+    """``median + k x MAD`` of ``samples`` (seconds), at least ``min_ratio x median``, within
+    ``[max(cfg.floor_s, floor_s), cap_s]``. Pure: the same samples in any order give the same budget."""
+    med, mad = median_mad(samples)
     return min(cfg.cap_s, max(cfg.floor_s, floor_s, med + cfg.k * mad, med * cfg.min_ratio))
 
 
@@ -197,9 +203,9 @@ class ObservedBudgets:
         samples kept, their median and MAD, and the budget they give (None below ``min_samples``)."""
         routes = []
         for key, window in self._windows.items():
-            med = statistics.median(window)
+            med, mad = median_mad(window)
             routes.append({"route": [str(p)[-8:] for p in key] if isinstance(key, tuple) else str(key),
                            "samples": len(window), "median_s": med, "floor_s": self._floors.get(key, 0.0),
-                           "mad_s": statistics.median([abs(x - med) for x in window]), "budget_s": self.budget_s(key)})
+                           "mad_s": mad, "budget_s": self.budget_s(key)})
         return {"last_basis": self.last[0] if self.last else None, "last_budget_s": self.last[1] if self.last else None,
                 "routes": routes}

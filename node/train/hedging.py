@@ -18,9 +18,10 @@ iteration's microbatches (a swarm where most microbatches are late is loaded, no
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass
 from typing import Sequence
+
+from node.train.deadlines import median_mad
 
 __all__ = ["HedgeConfig", "HedgeCounters", "hedge_after_s", "hedges_allowed"]
 
@@ -67,8 +68,7 @@ def hedge_after_s(budget_s: float, samples: Sequence[float], cfg: HedgeConfig) -
     (nor than the budget itself), never sooner than ``floor_s``. Pure."""
     after = cfg.budget_fraction * budget_s
     if len(samples) >= cfg.min_samples:
-        med = statistics.median(samples)
-        mad = statistics.median([abs(x - med) for x in samples])
+        med, mad = median_mad(samples)
         after = min(after, max(med + cfg.k * mad, med * cfg.min_ratio))
     return min(budget_s, max(cfg.floor_s, after))
 
