@@ -68,6 +68,11 @@ def _flag_value(value) -> str:
         return repr(value)  # the shortest text that parses back to the same float
     if isinstance(value, (tuple, list)):
         return ",".join(str(v) for v in value)
+    if isinstance(value, Path) and str(value).startswith("-"):
+        return f"./{value}"  # the same path, and argparse reads neither a flag nor its "--" separator in it
+    if value == "--":
+        # argparse (3.11) reads "--flag=--" as the end-of-options marker and gives the flag []
+        raise ValueError('"--" cannot be passed as a flag value; choose another')
     return str(value)
 
 
