@@ -17,6 +17,26 @@ of the simulator's rules:
    at ``d``, likewise (the ``i``-th last end is ``<= T - i x backward``); summing the chains,
    ``w x T >= c x RT(d) + (forward + backward) x w (w - 1) / 2``. The bound is the smaller, over
    ``w``, of the larger of the two.
+
+   **Waves** refine this where ``c > memory``: ``d`` is one machine, and a new microbatch can only
+   start once an old one's backward at ``d`` has run. Number ``d``'s microbatches by forward start
+   ``s_1 <= ... <= s_c`` (``m = memory``, ``f``, ``b``, ``l``: forward, backward, loss at ``d``).
+   (a) Forwards run one at a time: ``s_j >= s_{j-1} + f``. (b) Each microbatch's backward at ``d``
+   ends at least ``RT(d)`` after its forward starts, so the ``i``-th earliest backward end is
+   ``e_i >= s_i + RT(d)`` (the ``i`` earliest ends belong to ``i`` distinct microbatches, the
+   ``i``-th of which started no earlier than ``s_i``). (c) Forward ``j > m`` needs a free slot, so
+   ``j - m`` backwards have ended by ``s_j``: ``s_j >= e_{j-m}``. Now take ``i <= j - m`` and the
+   window ``[s_i + RT(d) - b, s_j)``. At most ``i - 1`` of the ``j - m`` backwards ended by ``s_j``
+   belong to microbatches started before ``s_i``; the others, ``j - m - i + 1`` of them, start
+   no earlier than ``s_i + RT(d) - b`` (by (b)), so lie in the window. Each forward ``x`` with
+   ``i + m <= x < j`` starts at ``s_x >= e_{x-m}``; among the ``x - m`` earliest ends at least one
+   belongs to a microbatch started at or after ``s_i``, so ``s_x >= s_i + RT(d)``: the window
+   holds those ``j - m - i`` forwards too. ``d`` runs one task at a time, hence
+   ``s_j >= s_i + RT(d) + (j - m - i) x (b + f)``. Lower bounds ``lb_j`` on ``s_j`` follow by
+   recursion from ``lb_1 = 0`` (with (a)), and ``T >= lb_c + RT(d)``. The same window ending at
+   ``T`` instead holds every backward of the microbatches ``x >= i`` and the forward and loss of
+   every ``x >= i + m``: ``T >= lb_i + RT(d) - b + (c - i + 1) b + max(0, c - i - m + 1)(f + l)``.
+   The argument takes the largest of the chain and wave values.
 2. **Data-node work** (per data node). ``d`` computes ``c x (forward + loss + backward)``. Before
    its first loss it can only run forwards, at most ``k = min(memory, c)`` of them (no slot is
    freed before a backward), and the first loss cannot start before ``A(d)``, the cheapest
@@ -193,12 +213,15 @@ def iteration_lower_bound(
             kk = min(memory, c)
             own = F[d] * (1.0 + lr + br)
             rt_d = own + rt[i]
-            v1 = min(  # over the number w of slot chains the schedule needs
+            chains = min(  # over the number w of slot chains the schedule needs
                 max(math.ceil(c / w) * rt_d, c * rt_d / w + (F[d] + bwd[d]) * (w - 1) / 2) for w in range(1, kk + 1)
             )
+            waves = _wave_bound(c, memory, rt_d, float(F[d]), float(bwd[d]), float(F[d] * lr))
+            v1 = max(chains, waves)
+            how = "one machine starting a wave only as the last one's backwards end" if waves > chains else "memory slots"
             candidates.append((v1, "round-trips", d,
                                f"data node {d}: {c} microbatches of at least {rt_d:.2f} s (its best round trip) "
-                               f"in {memory} memory slots"))
+                               f"in {memory} memory slots ({how})"))
             idle_head = max(0.0, F[d] + a[i] - kk * F[d])
             idle_tail = max(0.0, bc[i] + bwd[d] - kk * bwd[d])
             v2 = c * own + idle_head + idle_tail
@@ -229,6 +252,24 @@ def iteration_lower_bound(
     order = {"round-trips": 0, "data-node-work": 1, "stage-work": 2}
     v, arg, where, detail = min(candidates, key=lambda x: (-x[0], order[x[1]], x[2]))
     return LowerBound(float(v), arg, int(where), detail, best_of, relaxed)
+
+
+def _wave_bound(c: int, m: int, rt: float, f: float, b: float, l: float) -> float:
+    """The waves refinement of the round-trip argument (module docstring, argument 1): ``c``
+    microbatches of one data node with ``m`` memory slots, best round trip ``rt``, and its own
+    forward ``f``, backward ``b`` and loss ``l``. ``lb[j]`` bounds the ``j``-th forward start."""
+    if c <= 0:
+        return 0.0
+    lb = [0.0] * (c + 1)  # 1-based
+    for j in range(2, c + 1):
+        v = lb[j - 1] + f
+        for i in range(1, j - m + 1):
+            v = max(v, lb[i] + rt + (j - m - i) * (b + f))
+        lb[j] = v
+    best = lb[c] + rt
+    for i in range(1, c + 1):
+        best = max(best, lb[i] + rt - b + (c - i + 1) * b + max(0, c - i - m + 1) * (f + l))
+    return best
 
 
 def _qth_smallest_finish(offset: np.ndarray, work: np.ndarray, q: int) -> float:
