@@ -123,3 +123,25 @@ def test_iteration_budget_shrinks_with_size():
     assert iteration_budget(1500, 4) == 111
     assert iteration_budget(100_000, 4) == 100  # never below min_iterations
     assert iteration_budget(1, 4, base_iterations=5, iterations_per_microbatch=0) == 5  # nor above what is asked
+
+
+def test_search_moves_pick_replicas_near_the_route():
+    # two locations, far apart; each stage has a replica in both (and two tied ones near data
+    # node 0): a move re-placing position 1 of a route from data node 0 stays near it
+    import random
+
+    from scheduler.paths import _near_replica, _Problem
+
+    near_ids = {0, 1, 2, 3, 4}  # data node 0 and stage 1's replicas 1, 2 (tied), stage 2's 3, 4
+    link = tuple(tuple(0.0 if u == v else (0.1 if (u in near_ids) == (v in near_ids) else 5.0) for v in range(8))
+                 for u in range(8))
+    cost = CostMatrix((1.0,) * 8, link)
+    stages = ((0, 7), (1, 2, 5), (3, 4, 6))
+    pb = _Problem(stages, cost, 3, 2, RouteLimits(), 20000)
+    rng = random.Random(0)
+    got = {_near_replica(pb, rng, (0, 1, 3), 1, 1, 1, exclude=1) for _ in range(50)}
+    assert got == {2}  # the nearest other replica; the far one (5) is out of reach
+    got = {_near_replica(pb, rng, (0, 1, 3), 1, 1, 1) for _ in range(50)}
+    assert got == {1, 2}  # ties with the nearest count
+    got = {_near_replica(pb, rng, (0, 1, 3), 1, 1, None, exclude=1) for _ in range(50)}
+    assert got == {2, 5}  # None: any other replica
