@@ -44,8 +44,10 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
 import torch
 
+from node.train.compute_meter import ComputeMeter
 from node.train.model import StageModule
 from node.train.precision import LossScaler, autocast_dtype
+from node.train.timing import synchronize
 
 __all__ = ["OptimConfig", "StageRuntime", "HostToDevice", "make_optimizer", "clip_coefficient", "squared_norm",
            "BOUNDARY_DTYPE"]
@@ -136,6 +138,8 @@ class StageRuntime:
         self.device = torch.device(device)
         self.module = module.to(self.device)
         self.padder = padder
+        #: this stage's measured compute speed (published in the node's advert for the coordinator)
+        self.meter = ComputeMeter()
         self.n_layers = len(module.layers)
         self.stage = module.stage
         self.optim_cfg = optim
@@ -191,8 +195,15 @@ class StageRuntime:
         return self._leaving(y)
 
     def _pad(self, kind: str, started_at: float, batch: torch.Tensor) -> None:
+        """Pad the step to its emulated time (if emulated), then time it for :attr:`meter`. The time counts
+        from when the step could start (as the padding does); on a GPU the queued kernels are waited for
+        first, else the clock would measure their launch (the tensor leaving next waits for them anyway)."""
         if self.padder is not None:
             self.padder.pad_blocking(kind, started_at, int(batch.shape[0]), self.n_layers)
+        if kind in ComputeMeter.KINDS:
+            if self.device.type != "cpu":
+                synchronize(self.device)
+            self.meter.record(kind, time.monotonic() - started_at, int(batch.shape[0]), self.n_layers)
 
     def _hold(self, key: Hashable, state: _InFlight) -> None:
         if key in self._in_flight:
