@@ -48,20 +48,23 @@ class ReplanPolicy:
 
 def planning_compute(startup: Sequence[float], measured: Sequence[Optional[float]],
                      use_measured: bool = True) -> list[float]:
-    """Per member, the compute speed (s/sample/layer) to plan with: the measured one where there is one.
+    """Per member, the compute speed (s/sample/layer) to plan with: the measured one where there is one, in the
+    start-up benchmark's units.
 
-    A member without a measurement yet (a joiner, a node before its first steps) keeps its start-up figure
-    scaled by the median measured / start-up ratio of the members that have both: the benchmark and the
-    training steps time different work (a reference layer shape versus this run's model), so the two units
-    only mix through that ratio. With no measurement at all (or ``use_measured`` off) the start-up figures."""
+    The benchmark and the training steps time different work: the benchmark a reference layer shape (the one
+    the cost model prices activations and links for), the steps this run's model. So a measurement says how a
+    member compares with the others, and the median start-up / measured ratio of the members that have both
+    converts it to the benchmark's scale; a member without a measurement yet (a joiner, a node before its
+    first steps) keeps its start-up figure. With no measurement at all (or ``use_measured`` off) the start-up
+    figures."""
     startup = [float(s) for s in startup]
     if not use_measured:
         return startup
-    ratios = [m / s for s, m in zip(startup, measured) if m is not None and s > 0]
+    ratios = [s / m for s, m in zip(startup, measured) if m is not None and m > 0 and s > 0]
     if not ratios:
         return startup
     scale = statistics.median(ratios)
-    return [float(m) if m is not None else s * scale for s, m in zip(startup, measured)]
+    return [float(m) * scale if m is not None and m > 0 else s for s, m in zip(startup, measured)]
 
 
 def relative_speeds(compute: Sequence[float]) -> list[float]:

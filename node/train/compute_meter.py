@@ -3,8 +3,8 @@
 Why: the speed a node advertises at start-up comes from a short matmul benchmark, taken once. A machine
 that gets busy later (another program, thermal throttling, a paused VM, or a compute emulation factor)
 keeps advertising its start-up figure, and the schedule keeps giving it a full share of microbatches. So
-the stage runtime times every forward and backward it runs (the padded time when compute is emulated) and
-keeps the last :attr:`ComputeMeterConfig.window` of them as *forward-equivalent seconds per sample per
+the stage runtime times every forward and backward it runs (its own compute, not the wait before it; the
+emulated time where compute is emulated and that is longer) and keeps the last :attr:`ComputeMeterConfig.window` of them as *forward-equivalent seconds per sample per
 layer*: a forward's seconds / (samples x layers), a backward's divided by the cost model's backward ratio
 too, the unit of the advert's ``compute_s_per_sample_per_layer`` and of the scheduler's cost model. The
 estimate is their median: one step that waited for a GC pause or an unrelated burst of work must not make

@@ -25,7 +25,8 @@ STARTUP_S = 0.5  # every node's start-up benchmark (reference layer shape): the 
 
 def test_planning_compute_prefers_measurements_and_scales_the_missing():
     assert planning_compute([0.5, 0.5, 0.5], [None, None, None]) == [0.5, 0.5, 0.5]
-    assert planning_compute([0.5, 0.5, 1.0], [0.01, 0.04, None]) == pytest.approx([0.01, 0.04, 0.05])
+    # measured: the relative speeds, on the start-up scale (median start-up/measured ratio 50); missing: start-up
+    assert planning_compute([0.5, 0.5, 0.5, 1.0], [0.01, 0.01, 0.04, None]) == pytest.approx([0.5, 0.5, 2.0, 1.0])
     assert planning_compute([0.5, 0.5], [0.01, 0.04], use_measured=False) == [0.5, 0.5]
 
 
