@@ -34,9 +34,11 @@ class ReplanPolicy:
     #: the epoch was planned: the running median a node advertises moves by ~10-30% on a box shared with other
     #: work, while a node slowed by half or more (1.5x) costs its routes a third of their time
     margin: float = 1.5
-    #: seconds the current epoch must have run before a re-plan replaces it: an epoch switch costs about one
-    #: iteration boundary, and half a minute is many iterations, so at most a few percent go to switching
-    min_interval_s: float = 30.0
+    #: seconds the current epoch must have run before a re-plan replaces it: a switch costs about one iteration
+    #: boundary (and new routes' deadlines start from the cost model again); 20 s is several iterations at the
+    #: 1-5 s per iteration seen on small swarms, so noise can switch at most once in that many, while a node
+    #: that slowed for good is re-planned around within a few dozen seconds
+    min_interval_s: float = 20.0
     #: the new schedule's predicted iteration must be this many times faster than the current one's under the
     #: same (measured) costs; below that the switch costs about what it buys (the simulator's own error is ~5%)
     min_gain: float = 1.1
