@@ -269,11 +269,11 @@ class Coordinator:
         if self.current is not None and epoch_membership(self.current) == target:
             self._stale_since = None
             self.status = "up to date"
-            reason = self._replan_due(online)
-            candidates = self.candidates()
-            if reason and candidates[:1] == [self.self_id] and not self._computing and not self._blocked():
-                self._replan_checked_at = time.monotonic()
-                await self.issue(online, assignment, replan=reason)
+            if self.candidates()[:1] == [self.self_id] and not self._computing:  # the first candidate re-plans
+                reason = self._replan_due(online)
+                if reason and not self._blocked():
+                    self._replan_checked_at = time.monotonic()
+                    await self.issue(online, assignment, replan=reason)
             return
         now = time.monotonic()
         if self._stale_since is None or target != self._stale_target:
