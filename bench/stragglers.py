@@ -159,7 +159,8 @@ def replica_shares(states: Dict[int, Optional[dict]], stages: Sequence[int], sch
     for s in stages:
         counts[s] = counts.get(s, 0) + 1
     planned: Dict[str, int] = {}
-    if schedule and schedule.get("schedule"):
+    planned_known = bool(schedule and schedule.get("schedule"))
+    if planned_known:
         members = list(schedule.get("members") or [])
         for path in schedule["schedule"].get("paths", []):
             for v in set(path.get("route", [])):
@@ -175,7 +176,8 @@ def replica_shares(states: Dict[int, Optional[dict]], stages: Sequence[int], sch
             per_epoch[key] = per_epoch.get(key, 0) + int(h.get("local_visits") or 0)
         peer = (state or {}).get("peer_id")
         out.append({"node": i, "stage": stages[i], "microbatches_per_epoch": per_epoch,
-                    "last_epoch_planned_per_iteration": planned.get(peer) if peer else None})
+                    # a replica the last epoch routes nothing through gets 0 (None: no schedule or peer known)
+                    "last_epoch_planned_per_iteration": planned.get(peer, 0) if peer and planned_known else None})
     return out
 
 

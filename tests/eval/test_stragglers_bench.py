@@ -90,5 +90,8 @@ def test_replica_shares_per_epoch_and_planned():
     assert shares == [
         {"node": 1, "stage": 1, "microbatches_per_epoch": {"1": 4, "2": 6}, "last_epoch_planned_per_iteration": 3},
         {"node": 2, "stage": 1, "microbatches_per_epoch": {"1": 4, "2": 2}, "last_epoch_planned_per_iteration": 1}]
+    schedule["schedule"]["paths"] = [{"data_node": 0, "route": [0, 1, 3], "microbatches": 4}]  # b gets none
+    assert [x["last_epoch_planned_per_iteration"] for x in m.replica_shares(states, stages, schedule)] == [4, 0]
+    assert [x["last_epoch_planned_per_iteration"] for x in m.replica_shares(states, stages, None)] == [None, None]
     table = m.format_shares({"slow_replica": {"slow_node": 2, "replica_microbatches": shares}})
     assert "node2 (slow)" in table and "epoch 2: 2" in table

@@ -2,8 +2,8 @@
 
 Three ``skippipe node run --train`` daemons: a data node and two replicas of stage 1, each padding its compute
 (``--compute-s-per-sample-per-layer``); the second replica pads to ``SLOWDOWN`` times the others, which its
-start-up benchmark (the same box for all three) cannot see. The first epoch, planned on the start-up figures,
-splits the microbatches about evenly. Once the replicas advertise what they measured while training, the coordinator
+start-up benchmark (the same box for all three) cannot see, so the epoch training starts on is planned
+without it. Once the replicas advertise what they measured while training, the coordinator
 re-plans (``--replan-interval 0``: as soon as the speeds moved) and the next epoch gives the slow replica fewer
 microbatches than its stage peer: checked from the schedules and from the visits each replica counted, never
 from a timing.
@@ -43,7 +43,7 @@ def test_a_replica_measured_slow_gets_fewer_microbatches_at_the_next_epoch(tmp_p
     swarm = ProcessSwarm(3, [1, 2], base_dir=tmp_path / "swarm", run_id="replan", heartbeat_s=1.0, extra_args=args)
     try:
         swarm.start(timeout=240)
-        # the epoch training starts on: nobody has measured anything before training
+        # the epoch training starts on (all three members): nobody has measured anything before training
         wait_for(swarm, [0], lambda s: s.get("pinned_epoch") is not None, 240, "the first epoch")
         first = call_http(swarm.nodes[0].rpc_url, "schedule", {}, timeout=10)
         done = wait_for(swarm, [0, FAST, SLOW], lambda s: s.get("state") == "done", 400, "training to finish")
@@ -55,9 +55,9 @@ def test_a_replica_measured_slow_gets_fewer_microbatches_at_the_next_epoch(tmp_p
     fast, slow = (done[i]["peer_id"] for i in (FAST, SLOW))
     assert_each_step_committed_once(done, [0], [0, FAST, SLOW], ITERATIONS, "with a re-plan")
 
-    # the first epoch was planned on start-up figures; a later one re-planned the same members
-    assert first["epoch"] == 1 and sum(schedules[1][p] for p in (fast, slow)) == MICROBATCHES, schedules
-    assert last["epoch"] >= 2 and set(last["members"]) == set(first["members"]), last
+    # the epoch training started on was planned on start-up figures; a later one re-planned the same members
+    assert len(first["members"]) == 3 and sum(schedules[first["epoch"]][p] for p in (fast, slow)) == MICROBATCHES
+    assert last["epoch"] > first["epoch"] and set(last["members"]) == set(first["members"]), (first, last)
     assert schedules[last["epoch"]][slow] < schedules[last["epoch"]][fast], schedules
 
     # it was trained on: in the iterations of the last epoch the slow replica ran fewer microbatches
