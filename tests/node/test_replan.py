@@ -110,3 +110,19 @@ async def test_the_coordinator_replans_a_slow_replica_to_fewer_microbatches(iden
     assert len(await _epochs_after_slowdown(identities, dataclasses.replace(now, enabled=False), 0.04)) == 1
     # the interval since the current epoch has not passed
     assert len(await _epochs_after_slowdown(identities, ReplanPolicy(min_interval_s=60.0), 0.04)) == 1
+
+
+def test_node_run_flags_reach_the_coordinator_policy():
+    import argparse
+
+    from node.cli.node_cmd import add_node_run_arguments, config_from_args
+    from node.cli.train_args import add_training_arguments
+
+    def config(*argv):
+        p = argparse.ArgumentParser()
+        add_node_run_arguments(p)
+        add_training_arguments(p)
+        return config_from_args(p.parse_args(list(argv)))
+
+    assert config().replan == ReplanPolicy()
+    assert config("--replan", "off", "--replan-interval", "5").replan == ReplanPolicy(enabled=False, min_interval_s=5.0)
