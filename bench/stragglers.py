@@ -17,19 +17,22 @@ swarms, one after another:
 2. ``slow_replica``: the last replica of ``--slow-stage`` (default stage 1, one of two replicas) at
    ``--slowdown`` x ``--compute-s``, the straggler features on (the defaults);
 3. ``slow_replica_features_off``: the same, with each feature in :data:`FEATURE_OFF_SWITCHES` that this
-   ``node run`` offers turned off (observed deadlines: ``--deadlines model``; the others where ``node run
-   --help`` lists a switch; the results say which were available).
+   ``node run`` offers turned off (observed deadlines: ``--deadlines model``, hedging: ``--hedging off``,
+   re-planning from measured compute: ``--replan off``; the results say which were available).
 
 Reported per configuration over the measured iterations (after ``--warmup``): mean, median, p95 and max
 seconds per iteration (data node 0's ``IterationStats.seconds``, step included), microbatches dropped (its
 ``dropped``, counted over all data nodes), hedges sent (both data nodes' ``recovery.hedges.sent`` over the
 whole run, warm-up included; 0 where the daemons do not report hedges), the epochs issued (the swarm's
-latest schedule epoch number at the end; epochs are numbered 1, 2, ... per swarm) and those trained on.
+latest schedule epoch number at the end; epochs are numbered 1, 2, ... per swarm) and those trained on, and
+the microbatches each replica of a stage with several replicas ran per epoch (its ``local_visits`` summed
+over the run, warm-up included) next to what the last epoch plans for it per iteration: with re-planning on,
+the slow replica's share drops once its measured compute reaches the coordinator.
 ``slow_replica_ratio`` = mean iteration of configuration 2 / configuration 1 (target: at most 1.3).
 
 All daemons share this machine's cores: an idle box gives the figures, a loaded one only says it works.
 
-Run: ``python bench/stragglers.py`` (3 + 30 iterations per configuration; about 10-15 minutes on 2 idle
+Run: ``python bench/stragglers.py`` (6 + 30 iterations per configuration; about 10-15 minutes on 2 idle
 cores); ``--quick`` for a smoke run (1 + 3 iterations). Writes ``bench/results/stragglers.json``.
 """
 
@@ -85,6 +88,9 @@ DEFAULT_SLOWDOWN = 4.0
 TARGET_RATIO = 1.3
 #: Seconds between polls of the swarm (TrainingWatch asks the data nodes each time, the rest every 5 s).
 POLL_S = 0.5
+#: Iterations of a node's ``training`` history read at the end (the replicas' microbatches per epoch): more than
+#: any run of this bench trains.
+MAX_HISTORY = 10_000
 #: Seconds an iteration may take before a daemon stops as stalled: a 4x slow replica on a loaded box with the
 #: cost-model deadlines only can take a minute or more per iteration.
 ITERATION_TIMEOUT_S = 240.0
@@ -143,6 +149,36 @@ def slow_node_index(stage_sizes: Sequence[int], stage: int) -> int:
         raise BenchError(f"stage {stage} has {stage_sizes[stage]} replica; a straggler needs a stage with a second "
                          "replica to route around it (stages 1 and 2 have two in the skippipe up shape)")
     return sum(stage_sizes[: stage + 1]) - 1
+
+
+def replica_shares(states: Dict[int, Optional[dict]], stages: Sequence[int], schedule: Optional[dict]) -> List[dict]:
+    """Per node of a stage with several replicas: its stage, the microbatches it ran per epoch (``local_visits``
+    of its ``training`` history, by the epoch each iteration trained on) and what ``schedule`` (the swarm's last
+    epoch, the ``schedule`` RPC's answer) routes through it per iteration."""
+    counts: Dict[int, int] = {}
+    for s in stages:
+        counts[s] = counts.get(s, 0) + 1
+    planned: Dict[str, int] = {}
+    planned_known = bool(schedule and schedule.get("schedule"))
+    if planned_known:
+        members = list(schedule.get("members") or [])
+        for path in schedule["schedule"].get("paths", []):
+            for v in set(path.get("route", [])):
+                if 0 <= v < len(members):
+                    planned[members[v]] = planned.get(members[v], 0) + int(path.get("microbatches", 1))
+    out = []
+    for i, state in sorted(states.items()):
+        if counts.get(stages[i], 0) < 2 or stages[i] == 0:
+            continue
+        per_epoch: Dict[str, int] = {}
+        for h in (state or {}).get("history") or []:
+            key = str(h.get("epoch"))
+            per_epoch[key] = per_epoch.get(key, 0) + int(h.get("local_visits") or 0)
+        peer = (state or {}).get("peer_id")
+        out.append({"node": i, "stage": stages[i], "microbatches_per_epoch": per_epoch,
+                    # a replica the last epoch routes nothing through gets 0 (None: no schedule or peer known)
+                    "last_epoch_planned_per_iteration": planned.get(peer, 0) if peer and planned_known else None})
+    return out
 
 
 def off_switches(node_run_parser: argparse.ArgumentParser) -> Dict[str, Optional[Tuple[str, ...]]]:
@@ -215,7 +251,11 @@ def run_config(args, name: str, slow: bool, features: bool, switches, base: path
             time.sleep(POLL_S)
         data_nodes = [n for n in swarm.nodes if n.stage == 0 and n.alive]
         finals = [training_state(n, limit=1) for n in data_nodes]
-        epochs = [(call_http(n.rpc_url, "schedule", {}, timeout=10.0) or {}).get("epoch") for n in data_nodes]
+        schedules = [call_http(n.rpc_url, "schedule", {}, timeout=10.0) or {} for n in data_nodes]
+        epochs = [s.get("epoch") for s in schedules]
+        every = {i: training_state(n, limit=MAX_HISTORY) for i, n in enumerate(swarm.nodes)}
+        shares = replica_shares(every, [n.stage for n in swarm.nodes],
+                                max(schedules, key=lambda s: s.get("epoch") or 0, default=None))
     except UserError as e:  # the launcher's or the watch's: a daemon that would not start, a stall, an error
         raise BenchError(f"{name}: {e}") from None
     finally:
@@ -225,7 +265,7 @@ def run_config(args, name: str, slow: bool, features: bool, switches, base: path
     sent = hedges_sent(finals)
     return {**stats, "slow_node": args.slow_node if slow else None, "features_on": features, "deadlines": deadlines,
             "feature_off_flags": flag_switches, "hedges_sent": sent or 0, "hedges_reported": sent is not None,
-            "epochs_issued": max((e for e in epochs if e is not None), default=None),
+            "epochs_issued": max((e for e in epochs if e is not None), default=None), "replica_microbatches": shares,
             "dead_nodes": sorted(watch.deaths.dead), "daemons_ready_s": ready_s,
             "wall_s": time.perf_counter() - t0, "leftover_processes": len(leftover)}
 
@@ -244,6 +284,20 @@ def format_table(results: Dict[str, dict]) -> str:
     return text_table(rows)
 
 
+def format_shares(results: Dict[str, dict]) -> str:
+    """The microbatches each replica of a replicated stage ran, per epoch, and what the last epoch plans for it."""
+    from node.ops.tables import text_table
+
+    rows = [["configuration", "node", "stage", "microbatches run per epoch", "last epoch plans /it"]]
+    for name, r in results.items():
+        for share in r.get("replica_microbatches") or []:
+            slow = " (slow)" if share["node"] == r.get("slow_node") else ""
+            per_epoch = ", ".join(f"epoch {e}: {n}" for e, n in sorted(share["microbatches_per_epoch"].items()))
+            rows.append([name, f"node{share['node']}{slow}", str(share["stage"]), per_epoch or "-",
+                         str(share["last_epoch_planned_per_iteration"])])
+    return text_table(rows)
+
+
 def ratio(results: Dict[str, dict], name: str) -> Optional[float]:
     base = results.get("no_straggler")
     other = results.get(name)
@@ -258,8 +312,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=None, help="measured iterations per configuration (default 30; "
                    "3 with --quick)")
-    p.add_argument("--warmup", type=int, default=None, help="iterations before the measured ones (default 3; 1 with "
-                   "--quick): the first iteration opens every stream and the observed deadlines need samples")
+    p.add_argument("--warmup", type=int, default=None, help="iterations before the measured ones (default 6; 1 with "
+                   "--quick): the first iteration opens every stream, the observed deadlines need samples and a re-plan "
+                   "needs the replicas' measured compute (8 steps each) and its minimum interval after the first epoch")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 warm-up and 3 measured iterations each")
     p.add_argument("--compute-s", type=float, default=DEFAULT_COMPUTE_S,
                    help="every daemon's --compute-s-per-sample-per-layer (default %(default)s)")
@@ -278,7 +333,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.iterations is None:
         args.iterations = 3 if args.quick else 30
     if args.warmup is None:
-        args.warmup = 1 if args.quick else 3
+        args.warmup = 1 if args.quick else 6
     if args.iterations < 1 or args.warmup < 0:
         p.error("--iterations must be >= 1 and --warmup >= 0")
     if not args.compute_s > 0 or not args.slowdown >= 1:
@@ -338,6 +393,8 @@ def _main(args) -> int:
     slow_ratio, off_ratio = ratio(results, "slow_replica"), ratio(results, "slow_replica_features_off")
     print()
     print(format_table(results))
+    print()
+    print(format_shares(results))
     print(f"\nslow_replica_ratio (mean with the slow replica / without, features on): {slow_ratio:.2f} "
           f"(target <= {TARGET_RATIO}: {'met' if slow_ratio <= TARGET_RATIO else 'NOT met'}); features off: "
           f"{off_ratio:.2f}")

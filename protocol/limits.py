@@ -12,6 +12,7 @@ __all__ = [
     "MAX_NESTING_DEPTH",
     "MAX_TENSOR_NDIM",
     "LARGE_BYTES_THRESHOLD",
+    "MAX_MEASURED_COMPUTE_S",
 ]
 
 #: One mebibyte, to write byte sizes legibly.
@@ -35,3 +36,8 @@ MAX_TENSOR_NDIM: int = 32
 #: being copied through msgpack's internal buffer: below 64 KiB the extra copy costs less than
 #: the bookkeeping, above it the copy dominates encode time for activations.
 LARGE_BYTES_THRESHOLD: int = 64 * 1024
+
+#: Largest measured compute time (seconds per sample per layer) an advert may carry. The 500M reference
+#: layer takes ~0.05 s per sample on a CPU core; an hour is slower than anything that still trains, and
+#: the bound keeps a peer's value from overflowing the coordinator's cost products (x layers x samples).
+MAX_MEASURED_COMPUTE_S: float = 3600.0

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from .codec import decode, encode
 from .errors import MalformedMessage
-from .limits import DEFAULT_MAX_BYTES
+from .limits import DEFAULT_MAX_BYTES, MAX_MEASURED_COMPUTE_S
 from .options import DecodeOptions
 from .registry import register_message
 from .tensor import TensorFrame
@@ -276,9 +276,17 @@ class StageAdvert:
     config_digest: str = ""
     #: How others can reach this peer (a :class:`Reachability` value); absent from older senders.
     reachability: str = Reachability.UNKNOWN.value
+    #: Compute speed measured while training (forward-equivalent seconds per sample per layer, the median of
+    #: recent steps; :mod:`node.train.compute_meter`); None before enough steps, and from older senders.
+    measured_compute_s_per_sample_per_layer: float | None = None
 
     def validate(self, options: DecodeOptions) -> None:
-        """Known state and reachability, non-negative counts, finite compute speed, a valid port and a short digest."""
+        """Known state and reachability, non-negative counts, finite compute speeds (a measured one positive and
+        bounded), a valid port and a short digest."""
+        measured = self.measured_compute_s_per_sample_per_layer
+        if measured is not None and not 0 < measured <= MAX_MEASURED_COMPUTE_S:  # also catches NaN
+            raise MalformedMessage(f"StageAdvert.measured_compute_s_per_sample_per_layer must be in "
+                                   f"(0, {MAX_MEASURED_COMPUTE_S:g}], got {measured!r}")
         if self.reachability not in REACHABILITY_VALUES:
             raise MalformedMessage(f"StageAdvert.reachability must be one of {sorted(REACHABILITY_VALUES)}, "
                                    f"got {self.reachability[:100]!r}")

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
 
 from node.swarm.config import DEFAULT_HOST_MADDRS, DaemonConfig, default_identity_path
+from node.swarm.replan import ReplanPolicy
 from node.errors import UserError
 from node.spec import TrainSpec
 from node.cli.run_args import add_run_arguments
-from node.cli.validate import MAX_STAGES, float_range, int_range, maddr_list_item, port
+from node.cli.validate import MAX_DURATION_S, MAX_STAGES, float_range, int_range, maddr_list_item, port
 
 __all__ = ["register", "add_node_run_arguments", "run_spec_from_args", "config_from_args", "emulated_location_cost",
            "SCHEDULE_POLICIES"]
@@ -59,6 +61,13 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule-budget", type=float_range(0, 3600.0, lo_open=True), default=None, metavar="S",
                    help="safety cap in seconds on the coordinator's path search per epoch (default 15; the search "
                         "stops on a work budget first)")
+    p.add_argument("--replan", choices=["on", "off"], default="on",
+                   help="as coordinator, plan with the compute speed members measure while training and re-plan "
+                        "when it moves (a slow replica gets fewer microbatches): on (default), or off (the "
+                        "start-up benchmark only; the control of bench/stragglers.py)")
+    p.add_argument("--replan-interval", type=float_range(0, MAX_DURATION_S), default=None, metavar="S",
+                   help=f"seconds an epoch runs at least before a re-plan replaces it (default "
+                        f"{ReplanPolicy().min_interval_s:g})")
     add_run_arguments(p, ("memory_slots",))
     p.add_argument("--host-maddrs", nargs="+", type=maddr_list_item, default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
                    help="where p2pd listens (default %(default)s)")
@@ -207,6 +216,7 @@ def config_from_args(args: argparse.Namespace, spec: TrainSpec | None = None) ->
         schedule_policy=policy,
         location_cost=location_cost,
         **({"schedule_budget_s": budget} if budget is not None else {}),
+        replan=replan_policy(args),
         memory_slots=spec.memory_slots,
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
@@ -223,6 +233,13 @@ def config_from_args(args: argparse.Namespace, spec: TrainSpec | None = None) ->
         access_handshake=not args.no_access_handshake,
         **limits,
     )
+
+
+def replan_policy(args: argparse.Namespace) -> ReplanPolicy:
+    """``--replan`` and ``--replan-interval`` as the coordinator's policy (commands without them: the default)."""
+    policy = ReplanPolicy(enabled=getattr(args, "replan", "on") == "on")
+    interval = getattr(args, "replan_interval", None)
+    return dataclasses.replace(policy, min_interval_s=float(interval)) if interval is not None else policy
 
 
 def setup_logging(level: str) -> None:

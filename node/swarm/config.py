@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.spec import DEFAULT_HEARTBEAT_S, DEFAULT_MEMORY_SLOTS, DEFAULT_MICROBATCHES, DEFAULT_RUN_ID
+from node.swarm.replan import ReplanPolicy
 
 __all__ = [
     "DEFAULT_HEARTBEAT_S",
@@ -114,6 +115,8 @@ class DaemonConfig:
     #: budget derived from the problem, so the schedule does not depend on how busy the machine is; the cap
     #: only bounds a pathological case (a 20-node search takes ~1 s of CPU) and is logged when hit.
     schedule_budget_s: float = 15.0
+    #: When the coordinator re-plans for the members' measured compute speeds (:mod:`node.swarm.replan`).
+    replan: ReplanPolicy = ReplanPolicy()
 
     @property
     def advert_ttl_s(self) -> float:

@@ -19,6 +19,10 @@ node's configuration (their advert's ``config_digest``) and that were admitted (
 or are members already; silent members and peers left out at the start barrier are dropped; a running
 swarm adds at most ``MAX_NEW_MEMBERS_PER_EPOCH`` peers per epoch.
 
+With the same members, the first candidate also re-plans when the members' measured compute speeds moved
+away from those the current epoch was planned with (:mod:`node.swarm.replan`: a margin, a minimum interval
+and a minimum predicted gain keep noise from making epochs churn).
+
 Every node validates an epoch before adopting it: right run, signed by the key behind a known
 ONLINE data node's advert, coordinator and members training this node's configuration, every member
 known, and ``validate_schedule`` passes. Among valid
@@ -36,6 +40,7 @@ from typing import Awaitable, Callable
 
 from node.net.identity import NodeIdentity, verify_rsa_signature
 from node.swarm.admission import Admission, new_members_allowed
+from node.swarm.replan import ReplanPolicy, planning_compute, replan_reason, worth_switching
 from node.swarm.states import NodeState
 from node.swarm.view import PeerEntry, SwarmView
 from protocol.messages import ScheduleEpoch
@@ -45,6 +50,7 @@ from scheduler.reachability import apply_reachability, check_reachable
 from scheduler.errors import ScheduleError
 from scheduler.paths import schedule_paths_report
 from scheduler.schedule import Schedule
+from scheduler.simulator import simulate
 from scheduler.validate import validate_schedule
 
 __all__ = ["RunConfig", "Coordinator", "assign_stages", "epoch_membership", "rank_candidates"]
@@ -174,6 +180,7 @@ class Coordinator:
         join_lead_s: float = DEFAULT_JOIN_LEAD_S,
         admission: Admission | None = None,
         config_digest: str = "",
+        replan: ReplanPolicy = ReplanPolicy(),
     ):
         self.run_id = run_id
         self.identity = identity
@@ -199,6 +206,9 @@ class Coordinator:
         self._stale_target: frozenset = frozenset()
         self._computing = False
         self.epochs_issued = 0
+        self.replan = replan
+        #: when a re-plan was last computed (monotonic; one not worth switching to waits min_interval_s again)
+        self._replan_checked_at: float | None = None
         #: Why this node must not coordinate right now (e.g. "joining: data plane not up yet"), or None;
         #: set by the local trainer service (None: nothing against it).
         self.blocker: Callable[[], str | None] | None = None
@@ -259,6 +269,11 @@ class Coordinator:
         if self.current is not None and epoch_membership(self.current) == target:
             self._stale_since = None
             self.status = "up to date"
+            if self.candidates()[:1] == [self.self_id] and not self._computing:  # the first candidate re-plans
+                reason = self._replan_due(online)
+                if reason and not self._blocked():
+                    self._replan_checked_at = time.monotonic()
+                    await self.issue(online, assignment, replan=reason)
             return
         now = time.monotonic()
         if self._stale_since is None or target != self._stale_target:
@@ -288,15 +303,42 @@ class Coordinator:
             return
         await self.issue(online, assignment)
 
-    async def issue(self, online: list[PeerEntry], assignment: dict[str, int]) -> ScheduleEpoch | None:
-        """Compute, sign, adopt and publish a new epoch for ``online``."""
+    def member_compute(self, entries: dict[str, PeerEntry], members: tuple[str, ...]) -> list[float]:
+        """Per member, the compute speed to plan with: measured while training where advertised (see
+        :func:`node.swarm.replan.planning_compute`), the start-up benchmark with re-planning off."""
+        adverts = [entries[p].advert for p in members]
+        return planning_compute([a.compute_s_per_sample_per_layer for a in adverts],
+                                [a.measured_compute_s_per_sample_per_layer for a in adverts], self.replan.enabled)
+
+    def _replan_due(self, online: list[PeerEntry]) -> str | None:
+        """Why the current epoch's members should get a new schedule for their measured speeds, or None.
+        Only for the skippipe policy planned from measurements (a location table fixes compute by location)."""
+        current, now = self.current, time.monotonic()
+        if (not self.replan.enabled or self.run.schedule_policy != "skippipe" or self.run.location_cost
+                or (self._replan_checked_at is not None and now - self._replan_checked_at < self.replan.min_interval_s)):
+            return None
+        entries = {e.peer_id: e for e in online}
+        if any(m not in entries for m in current.members):
+            return None
+        try:
+            planned = Schedule.from_json(current.schedule).cost
+        except (ScheduleError, KeyError, TypeError, ValueError):
+            return None
+        return replan_reason(self.replan, planned.compute_s if planned is not None else None,
+                             self.member_compute(entries, current.members), time.time() - current.issued_at)
+
+    async def issue(self, online: list[PeerEntry], assignment: dict[str, int],
+                    replan: str | None = None) -> ScheduleEpoch | None:
+        """Compute, sign, adopt and publish a new epoch for ``online``; ``replan``: why the same members get a new
+        schedule (it is then issued only if it beats the current one by the policy's ``min_gain``)."""
         self._computing = True
         try:
             members = tuple(sorted(assignment, key=lambda p: (assignment[p], p)))
             index = {p: i for i, p in enumerate(members)}
             stages = [[index[p] for p in members if assignment[p] == s] for s in range(self.run.num_stages)]
             entries = {e.peer_id: e for e in online}
-            compute = [entries[p].advert.compute_s_per_sample_per_layer for p in members]
+            compute = self.member_compute(entries, members)
+            previous = self.current if replan and self.current is not None and self.current.members == members else None
             reach = [entries[p].advert.reachability for p in members]
             latency, bandwidth = self._link_matrices(members)
             number = (self.current.epoch + 1) if self.current is not None else 1
@@ -321,6 +363,13 @@ class Coordinator:
                                        self.budget_s)
                 validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())
                 check_reachable(schedule, reach)  # never a hop between two nodes nobody can dial
+                if previous is not None:  # a re-plan: only if it beats the current routes under the same costs
+                    old_s = simulate(Schedule.from_json(previous.schedule), cost, record_timelines=False).iteration_time_s
+                    new_s = simulate(schedule, cost, record_timelines=False).iteration_time_s
+                    if not worth_switching(self.replan, old_s, new_s):
+                        logger.info("not re-planning (%s): %.2f s per iteration predicted, %.2f s now", replan,
+                                    new_s, old_s)
+                        return None
                 return schedule.to_json()
 
             try:
@@ -328,6 +377,8 @@ class Coordinator:
             except ScheduleError as e:
                 self.status = f"cannot schedule: {e}"
                 logger.warning("cannot schedule epoch %d: %s", number, e)
+                return None
+            if schedule_json is None:
                 return None
             unsigned = ScheduleEpoch(
                 run_id=self.run_id,
@@ -341,7 +392,8 @@ class Coordinator:
             )
             epoch = dataclasses.replace(unsigned, signature=self.identity.sign(unsigned.signing_payload()))
             self.epochs_issued += 1
-            logger.info("issuing schedule epoch %d for %d members", number, len(members))
+            logger.info("issuing schedule epoch %d for %d members%s", number, len(members),
+                        f" (re-plan: {replan})" if replan else "")
             self._adopt(epoch)
             await self._publish(epoch)
             return epoch

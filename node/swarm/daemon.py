@@ -77,6 +77,7 @@ from node.swarm.wiring import admission_of, coordinator_of, membership_parts, rp
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
+from protocol.limits import MAX_MEASURED_COMPUTE_S
 from protocol.messages import ScheduleEpoch, StageAdvert
 from protocol.version import PROTOCOL_VERSION
 
@@ -98,6 +99,19 @@ class DaemonService(Protocol):
     async def start(self, daemon: "Daemon") -> None: ...
 
     async def stop(self) -> None: ...
+
+
+def measured_compute_of(hook: Callable[[], float | None] | None, log) -> float | None:
+    """A training service's measured compute speed, bounded as the advert's validation wants (None when it has
+    none, or a value an advert cannot carry: the start-up figure then serves)."""
+    try:
+        value = hook() if hook is not None else None
+    except Exception:  # noqa: BLE001 - a broken hook must not stop the heartbeat
+        log.debug("measured compute hook failed", exc_info=True)
+        return None
+    if value is None or not 0 < float(value) <= MAX_MEASURED_COMPUTE_S:
+        return None
+    return float(value)
 
 
 class Daemon:
@@ -143,11 +157,13 @@ class Daemon:
         self.epoch_changed = asyncio.Event()
         #: Set by a training service: the first iteration a new schedule epoch may start at, the iteration it last
         #: committed (None while not training), why this node must not coordinate right now (None: nothing against it),
-        #: whether it can train if named (False after a join that found its stage's replicas disagreeing).
+        #: whether it can train if named (False after a join that found its stage's replicas disagreeing), and its
+        #: compute speed measured while training (None: not yet).
         self.training_progress: Callable[[float], int | None] | None = None
         self.training_iteration: Callable[[], int | None] | None = None
         self.coordination_blocker: Callable[[], str | None] | None = None
         self.training_ready: Callable[[], bool] | None = None
+        self.measured_compute: Callable[[], float | None] | None = None
         self.started_at = time.time()
         self.gossip_access = GossipAccessControl(lambda: self.access, lambda: self.view, self.is_peer_allowed,
                                                  self.metrics, self.log)
@@ -289,6 +305,7 @@ class Daemon:
             location=cfg.location,
             timestamp=time.time(),
             config_digest=self.config_digest, reachability=self.reachability.value,
+            measured_compute_s_per_sample_per_layer=measured_compute_of(self.measured_compute, self.log),
         )
 
     def gossip_maddrs(self) -> list[str]:
@@ -310,6 +327,7 @@ class Daemon:
             "rpc_port": self.rpc.http_port,
             "protocol_version": self.protocol_version,
             "compute_s_per_sample_per_layer": self.compute_s_per_sample_per_layer,
+            "measured_compute_s_per_sample_per_layer": measured_compute_of(self.measured_compute, self.log),
             "memory_slots": self.config.memory_slots,
             "device": self.config.device,
             "heartbeat_s": self.config.heartbeat_s,

@@ -55,6 +55,7 @@ class SwarmHost(Protocol):
     training_iteration: Optional[Callable[[], Optional[int]]]
     coordination_blocker: Optional[Callable[[], Optional[str]]]
     training_ready: Optional[Callable[[], bool]]
+    measured_compute: Optional[Callable[[], Optional[float]]]
 
     @property
     def current_epoch(self) -> Optional["ScheduleEpoch"]: ...

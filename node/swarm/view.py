@@ -66,6 +66,7 @@ class PeerEntry:
             "maddrs": list(a.maddrs),
             "gossip_maddrs": list(a.gossip_maddrs),
             "compute_s_per_sample_per_layer": a.compute_s_per_sample_per_layer,
+            "measured_compute_s_per_sample_per_layer": a.measured_compute_s_per_sample_per_layer,
             "memory_slots": a.memory_slots,
             "free_slots": a.free_slots,
             "protocol_version": a.protocol_version,

@@ -35,7 +35,7 @@ def coordinator_of(daemon: "SwarmHost", on_adopt: Callable[["ScheduleEpoch"], No
         debounce_s=cfg.epoch_debounce_s, takeover_s=cfg.coordinator_timeout_s, budget_s=cfg.schedule_budget_s,
         publish=daemon.membership.publish_epoch, on_adopt=on_adopt,
         progress=lambda lead_s=0.0: daemon.training_progress(lead_s) if daemon.training_progress is not None else None,
-        admission=daemon.admission)
+        admission=daemon.admission, replan=cfg.replan)
     coordinator.blocker = lambda: daemon.coordination_blocker() if daemon.coordination_blocker is not None else None
     return coordinator
 

@@ -44,8 +44,10 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
 import torch
 
+from node.train.compute_meter import ComputeMeter
 from node.train.model import StageModule
 from node.train.precision import LossScaler, autocast_dtype
+from node.train.timing import synchronize
 
 __all__ = ["OptimConfig", "StageRuntime", "HostToDevice", "make_optimizer", "clip_coefficient", "squared_norm",
            "BOUNDARY_DTYPE"]
@@ -136,6 +138,8 @@ class StageRuntime:
         self.device = torch.device(device)
         self.module = module.to(self.device)
         self.padder = padder
+        #: this stage's measured compute speed (published in the node's advert for the coordinator)
+        self.meter = ComputeMeter()
         self.n_layers = len(module.layers)
         self.stage = module.stage
         self.optim_cfg = optim
@@ -182,17 +186,29 @@ class StageRuntime:
 
     def forward(self, key: Hashable, hidden: torch.Tensor, *, ready_at: Optional[float] = None) -> torch.Tensor:
         """Apply this stage's layers; returns the activation to send on (detached)."""
+        began = time.monotonic()
         t0 = _start_time(ready_at)
         x = self.to_device(hidden).detach().to(BOUNDARY_DTYPE).requires_grad_(True)
         with self._autocast():
             y = self.module(x)
         self._hold(key, _InFlight(x, y))
-        self._pad("forward", t0, hidden)
+        self._pad("forward", t0, hidden, began)
         return self._leaving(y)
 
-    def _pad(self, kind: str, started_at: float, batch: torch.Tensor) -> None:
+    def _pad(self, kind: str, started_at: float, batch: torch.Tensor, began: float) -> None:
+        """Time the step for :attr:`meter`, then pad it to its emulated time (if emulated). The meter gets the
+        step's own compute (from ``began``, when the compute thread took it up; on a GPU after waiting for the
+        queued kernels, else the clock would measure their launch), or the emulated time when that is longer:
+        not the wait before the step, which is the event loop's load (more microbatches, more messages) and would
+        feed a busy node's share back into its measured speed."""
+        samples = int(batch.shape[0])
+        if kind in ComputeMeter.KINDS:
+            if self.device.type != "cpu":
+                synchronize(self.device)
+            emulated = self.padder.target_s(kind, samples, self.n_layers) if self.padder is not None else 0.0
+            self.meter.record(kind, max(time.monotonic() - began, emulated), samples, self.n_layers)
         if self.padder is not None:
-            self.padder.pad_blocking(kind, started_at, int(batch.shape[0]), self.n_layers)
+            self.padder.pad_blocking(kind, started_at, samples, self.n_layers)
 
     def _hold(self, key: Hashable, state: _InFlight) -> None:
         if key in self._in_flight:
@@ -202,21 +218,23 @@ class StageRuntime:
 
     def backward(self, key: Hashable, grad_output: torch.Tensor, *, ready_at: Optional[float] = None) -> torch.Tensor:
         """Backward through the stored graph; returns d loss / d input and frees the microbatch."""
+        began = time.monotonic()
         t0 = _start_time(ready_at)
         state = self._in_flight.pop(key)
         state.outputs.backward(self.to_device(grad_output).to(state.outputs.dtype))
         self.visits += 1
         assert state.inputs is not None and state.inputs.grad is not None
-        self._pad("backward", t0, grad_output)
+        self._pad("backward", t0, grad_output, began)
         return self._gradient_out(state.inputs.grad)
 
     def start(self, key: Hashable, tokens: torch.Tensor, *, ready_at: Optional[float] = None) -> torch.Tensor:
         """Data node: embedding + stage-0 layers for a new microbatch."""
+        began = time.monotonic()
         t0 = _start_time(ready_at)
         with self._autocast():
             y = self.module.embed(self.to_device(tokens))
         self._hold(key, _InFlight(None, y))
-        self._pad("forward", t0, tokens)
+        self._pad("forward", t0, tokens, began)
         return self._leaving(y)
 
     def loss_backward(self, hidden: torch.Tensor, targets: torch.Tensor, *,
@@ -225,9 +243,9 @@ class StageRuntime:
 
         Stores nothing: the head's graph is freed right here and only the gradient goes back.
         """
-        t0 = _start_time(ready_at)
+        began = t0 = _start_time(ready_at)
         loss, grad = self.loss_and_grad(hidden, targets)
-        self._pad("loss", t0, hidden)
+        self._pad("loss", t0, hidden, began)
         return float(loss), grad
 
     def loss_and_grad(self, hidden: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -241,11 +259,12 @@ class StageRuntime:
 
     def finish(self, key: Hashable, grad_output: torch.Tensor, *, ready_at: Optional[float] = None) -> None:
         """Data node: backward through stage-0 layers + embedding; the microbatch is complete."""
+        began = time.monotonic()
         t0 = _start_time(ready_at)
         state = self._in_flight.pop(key)
         state.outputs.backward(self.to_device(grad_output).to(state.outputs.dtype))
         self.visits += 1
-        self._pad("backward", t0, grad_output)
+        self._pad("backward", t0, grad_output, began)
 
     def drop(self, key: Hashable) -> bool:
         """Forget a microbatch that will never come back (failed hop)."""

@@ -81,6 +81,13 @@ def capped_join_boundary(earliest: int, wanted: int, iterations: int) -> int:
     return min(wanted, earliest + left // 2)
 
 
+def measured_compute(trainer) -> Optional[float]:
+    """For a node's advert: its stage's compute speed measured while training (None before enough steps, or
+    while it has no stage); the coordinator plans with it instead of the start-up benchmark."""
+    runtime = trainer.runtime if trainer is not None else None
+    return runtime.meter.estimate() if runtime is not None else None
+
+
 class TrainerService:
     """Runs a :class:`TrainerNode` inside the daemon; implements its ``DaemonService`` protocol
     (``async start(daemon)``, ``async stop()``)."""
@@ -146,13 +153,14 @@ class TrainerService:
 
     def attach(self, daemon: TrainerHost) -> None:
         """Give the daemon this service's hooks: the ``training`` RPC, the coordinator's progress and blocker,
-        admission's committed iteration and the adopted epochs."""
+        admission's committed iteration, the measured compute speed (adverts) and the adopted epochs."""
         self.daemon = daemon
         daemon.register_rpc("training", self._rpc_training)
         daemon.training_progress = self.switch_iteration
         daemon.training_iteration = self.committed_iteration
         daemon.coordination_blocker = self.coordination_blocker
         daemon.training_ready = self.ready_to_join
+        daemon.measured_compute = lambda: measured_compute(self.trainer)
         daemon.on_schedule_epoch.append(self._offer_epoch)
 
     def switch_iteration(self, lead_s: float = 0.0) -> Optional[int]:
@@ -221,9 +229,8 @@ class TrainerService:
 
     @property
     def debounce_s(self) -> float:
-        if self.agreement is not None:
-            return self.agreement.debounce_s
-        return self.start_debounce_s if self.start_debounce_s is not None else 3.0  # 3 heartbeats of 1 s
+        return self.agreement.debounce_s if self.agreement is not None else (
+            self.start_debounce_s if self.start_debounce_s is not None else 3.0)  # 3 heartbeats of 1 s
 
     def _on_iteration(self, stats: IterationStats) -> None:
         metrics = self.daemon.metrics

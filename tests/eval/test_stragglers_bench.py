@@ -23,7 +23,7 @@ def _bench_module():
 def test_quick_and_default_iterations():
     m = _bench_module()
     full, quick = m.parse_args([]), m.parse_args(["--quick"])
-    assert (full.iterations, full.warmup) == (30, 3)
+    assert (full.iterations, full.warmup) == (30, 6)
     assert (quick.iterations, quick.warmup) == (3, 1)
     assert m.parse_args(["--quick", "--iterations", "5"]).iterations == 5  # an explicit count wins
     with pytest.raises(SystemExit):
@@ -70,5 +70,28 @@ def test_off_switches_take_the_first_spelling_the_parser_declares():
     assert found["observed deadlines"] == ("--deadlines", "model")
     assert found["hedging"] == ("--no-hedging",)
     assert found["re-planning"] is None
-    real = m.off_switches(m._node_run_parser())  # this node run: observed deadlines can be turned off
-    assert real["observed deadlines"] == ("--deadlines", "model")
+    real = m.off_switches(m._node_run_parser())  # this node run: every feature can be turned off
+    assert real == {"observed deadlines": ("--deadlines", "model"), "hedging": ("--hedging", "off"),
+                    "re-planning": ("--replan", "off")}
+
+
+def test_replica_shares_per_epoch_and_planned():
+    m = _bench_module()
+    stages = [0, 1, 1, 2]  # a data node, two replicas of stage 1, one of stage 2
+    history = lambda visits: [{"epoch": e, "local_visits": v} for e, v in visits]  # noqa: E731
+    states = {0: {"peer_id": "d", "history": history([(1, 4)])},
+              1: {"peer_id": "a", "history": history([(1, 2), (1, 2), (2, 3), (2, 3)])},
+              2: {"peer_id": "b", "history": history([(1, 2), (1, 2), (2, 1), (2, 1)])},
+              3: {"peer_id": "c", "history": history([(1, 4)])}}
+    schedule = {"epoch": 2, "members": ["d", "a", "b", "c"],
+                "schedule": {"paths": [{"data_node": 0, "route": [0, 1, 3], "microbatches": 3},
+                                       {"data_node": 0, "route": [0, 2, 3], "microbatches": 1}]}}
+    shares = m.replica_shares(states, stages, schedule)
+    assert shares == [
+        {"node": 1, "stage": 1, "microbatches_per_epoch": {"1": 4, "2": 6}, "last_epoch_planned_per_iteration": 3},
+        {"node": 2, "stage": 1, "microbatches_per_epoch": {"1": 4, "2": 2}, "last_epoch_planned_per_iteration": 1}]
+    schedule["schedule"]["paths"] = [{"data_node": 0, "route": [0, 1, 3], "microbatches": 4}]  # b gets none
+    assert [x["last_epoch_planned_per_iteration"] for x in m.replica_shares(states, stages, schedule)] == [4, 0]
+    assert [x["last_epoch_planned_per_iteration"] for x in m.replica_shares(states, stages, None)] == [None, None]
+    table = m.format_shares({"slow_replica": {"slow_node": 2, "replica_microbatches": shares}})
+    assert "node2 (slow)" in table and "epoch 2: 2" in table

@@ -111,6 +111,7 @@ MESSAGE_STRATEGIES: dict[type, st.SearchStrategy] = {
         rpc_port=st.none() | st.integers(0, 65535),
         location=st.none() | ids,
         timestamp=floats,
+        measured_compute_s_per_sample_per_layer=st.none() | st.floats(1e-9, 3600.0),
     ),
     MembershipEvent: st.builds(
         MembershipEvent,

@@ -1,0 +1,108 @@
+"""Re-planning from measured compute: when a schedule epoch with the same members is worth issuing.
+
+A schedule is planned with each member's compute speed. The start-up benchmark gives one figure, once; a
+machine that becomes slow later (shared, throttled, paused, or slowed by the compute emulation) would keep
+its full share of microbatches and hold up every iteration. So members advertise the speed they measure
+while training (:mod:`node.train.compute_meter`), the coordinator plans with it (:func:`planning_compute`),
+and it issues a new epoch for the same members when the speeds have moved away from those the current
+epoch was planned with (:func:`replan_reason`).
+
+Moving has a cost (an epoch switch at an iteration boundary, fresh deadlines to learn), so, following
+Petals' rule that a server moves only when the swarm's throughput improves by more than a margin, it
+re-plans only when all three hold: some member's speed *relative to the members' median* changed by more
+than :attr:`ReplanPolicy.margin` (relative, so a box that slows down as a whole, which leaves the best
+schedule as it is, never triggers one); the current epoch is at least :attr:`ReplanPolicy.min_interval_s`
+old (so noise can never make epochs churn); and the new schedule's predicted iteration time, under the
+measured costs, beats the current schedule's by :attr:`ReplanPolicy.min_gain` (:func:`worth_switching`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+__all__ = ["ReplanPolicy", "planning_compute", "relative_speeds", "departure", "replan_reason", "worth_switching"]
+
+
+@dataclass(frozen=True)
+class ReplanPolicy:
+    #: re-plan from measurement at all (off: plan with the start-up benchmark only, and never re-plan for speed;
+    #: the control of bench/stragglers.py)
+    enabled: bool = True
+    #: a member's compute time relative to the members' median must have changed by more than this factor since
+    #: the epoch was planned: the running median a node advertises moves by ~10-30% on a box shared with other
+    #: work, while a node slowed by half or more (1.5x) costs its routes a third of their time
+    margin: float = 1.5
+    #: seconds the current epoch must have run before a re-plan replaces it: a switch costs about one iteration
+    #: boundary (and new routes' deadlines start from the cost model again); 20 s is several iterations at the
+    #: 1-5 s per iteration seen on small swarms, so noise can switch at most once in that many, while a node
+    #: that slowed for good is re-planned around within a few dozen seconds
+    min_interval_s: float = 20.0
+    #: the new schedule's predicted iteration must be this many times faster than the current one's under the
+    #: same (measured) costs; below that the switch costs about what it buys (the simulator's own error is ~5%)
+    min_gain: float = 1.1
+
+    def __post_init__(self) -> None:
+        if not (self.margin > 1 and self.min_interval_s >= 0 and self.min_gain >= 1):
+            raise ValueError("ReplanPolicy needs margin > 1, min_interval_s >= 0 and min_gain >= 1")
+
+
+def planning_compute(startup: Sequence[float], measured: Sequence[Optional[float]],
+                     use_measured: bool = True) -> list[float]:
+    """Per member, the compute speed (s/sample/layer) to plan with: the measured one where there is one, in the
+    start-up benchmark's units.
+
+    The benchmark and the training steps time different work: the benchmark a reference layer shape (the one
+    the cost model prices activations and links for), the steps this run's model. So a measurement says how a
+    member compares with the others, and the median start-up / measured ratio of the members that have both
+    converts it to the benchmark's scale; a member without a measurement yet (a joiner, a node before its
+    first steps) keeps its start-up figure. With no measurement at all (or ``use_measured`` off) the start-up
+    figures."""
+    startup = [float(s) for s in startup]
+    if not use_measured:
+        return startup
+    ratios = [s / m for s, m in zip(startup, measured) if m is not None and m > 0 and s > 0]
+    if not ratios:
+        return startup
+    scale = statistics.median(ratios)
+    return [float(m) * scale if m is not None and m > 0 else s for s, m in zip(startup, measured)]
+
+
+def relative_speeds(compute: Sequence[float]) -> list[float]:
+    """Each compute time divided by their median (all 1.0 when the median is not positive)."""
+    mid = statistics.median(compute) if compute else 0.0
+    return [float(c) / mid if mid > 0 else 1.0 for c in compute]
+
+
+def departure(planned: Sequence[float], now: Sequence[float]) -> tuple[float, int]:
+    """How far the relative compute times moved since planning: the largest factor (>= 1, either way) over
+    members, and that member's index. Members whose planned or current time is not positive are left out."""
+    worst, who = 1.0, -1
+    for i, (p, n) in enumerate(zip(relative_speeds(planned), relative_speeds(now))):
+        if p > 0 and n > 0:
+            factor = max(n / p, p / n)
+            if factor > worst:
+                worst, who = factor, i
+    return worst, who
+
+
+def replan_reason(policy: ReplanPolicy, planned: Optional[Sequence[float]], now: Sequence[float],
+                  epoch_age_s: float) -> Optional[str]:
+    """Why a new epoch for the same members is due (None: it is not): the policy is on, the epoch has run
+    ``min_interval_s``, and a member's relative compute time moved by more than ``margin`` from ``planned``
+    (the current epoch's, None when unknown)."""
+    if not policy.enabled or planned is None or len(planned) != len(now) or not now:
+        return None
+    if epoch_age_s < policy.min_interval_s:
+        return None
+    worst, who = departure(planned, now)
+    if worst <= policy.margin:
+        return None
+    return f"member {who}'s measured compute moved {worst:.2f}x relative to the others (margin {policy.margin:g})"
+
+
+def worth_switching(policy: ReplanPolicy, current_s: float, new_s: float) -> bool:
+    """Does a schedule predicted at ``new_s`` per iteration beat the current one (``current_s`` under the same
+    costs) by the policy's ``min_gain``?"""
+    return new_s > 0 and current_s >= new_s * policy.min_gain
