@@ -18,9 +18,12 @@ the other, the same shaping and the same run:
 
 Reported per configuration over the measured iterations (after ``--warmup``): tokens per second (the
 tokens data node 0's ``IterationStats.tokens`` counts for both data nodes, over the sum of its
-``seconds``), mean and median seconds per iteration, and start-to-ONLINE per node: seconds from the
-daemon's spawn (all five joiners spawned together once the founder is up) until the founder's view
-shows it ONLINE, and until its advert says how it is reachable (``reachability`` not ``unknown``).
+``seconds``), mean and median seconds per iteration (and where they go: microbatches, averaging, norm
+exchange, step), microbatches per iteration through each node in the last schedule, and start-to-ONLINE
+per node: seconds from the daemon's spawn (all five joiners spawned together once the founder is up) until
+the founder's view shows it ONLINE (the view learns several joiners at once, so this is coarse), until
+its advert says how it is reachable (``reachability`` not ``unknown``), and until it wrote its ready file
+(the daemon is up and has learned its own reachability by dial-back).
 Relayed bytes: no node serves as a relay hop (docs/operations.md, "Behind NAT": NATed nodes work over
 the connections they dialled), so 0; the run checks that no advert carries a relay address
 (``relayed_addresses_seen``) rather than assuming it.
@@ -116,6 +119,19 @@ def online_summary(online_s: Dict[int, Optional[float]], natted: Sequence[int]) 
     return {"public_joiners_mean_s": public_mean, "natted_max_s": slowest_nat, "natted_vs_public": ratio}
 
 
+def microbatch_visits(schedule: dict, by_index: Dict[int, str]) -> Dict[int, int]:
+    """Microbatches per iteration that visit each node (data nodes included) in the swarm's last schedule:
+    where the load went, e.g. onto the public replica of a stage when the NATed one cannot be used."""
+    members = schedule.get("members") or []
+    index_of = {pid: i for i, pid in by_index.items()}
+    visits = {i: 0 for i in by_index}
+    for p in (schedule.get("schedule") or {}).get("paths", []):
+        for m in set(p.get("route", [])):
+            if 0 <= m < len(members) and members[m] in index_of:
+                visits[index_of[members[m]]] += int(p.get("microbatches") or 0)
+    return visits
+
+
 def build_result(results: Dict[str, dict], meta: dict) -> dict:
     """The JSON written to ``nat.json``: the configurations and the two ratios at the top level."""
     pub, nat = results.get("public"), results.get("natted")
@@ -142,14 +158,14 @@ def _spec_argv(args) -> List[str]:
     return run.to_argv()
 
 
-def _start(swarm, args, view_of, t_spawn: Dict[int, float], online: Dict[str, float], known: Dict[str, float],
-           reach: Dict[str, str], relayed: set) -> None:
+def _start(swarm, args, view_of, t_spawn: Dict[int, float], t_wall: Dict[int, float], online: Dict[str, float],
+           known: Dict[str, float], reach: Dict[str, str], relayed: set) -> None:
     """Node 0 first, then the five others together; note when the founder sees each ONLINE."""
+    t_spawn[0], t_wall[0] = time.monotonic(), time.time()
     swarm.spawn(swarm.nodes[0])
-    t_spawn[0] = time.monotonic()
     swarm.wait_ready([swarm.nodes[0]], args.start_timeout)
     for node in swarm.nodes[1:]:
-        t_spawn[node.index] = time.monotonic()
+        t_spawn[node.index], t_wall[node.index] = time.monotonic(), time.time()
         swarm.spawn(node)
     deadline = time.monotonic() + args.start_timeout
     while True:
@@ -190,6 +206,7 @@ def run_config(args, name: str, natted: bool, lab_name: str, subnet: int, base: 
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     lab = nat_swarm_lab(lab_name, subnet, natted=natted, rate_mbit=args.rate_mbit)
     t_spawn: Dict[int, float] = {}
+    t_wall: Dict[int, float] = {}
     online: Dict[str, float] = {}
     known: Dict[str, float] = {}
     reach: Dict[str, str] = {}
@@ -204,10 +221,12 @@ def run_config(args, name: str, natted: bool, lab_name: str, subnet: int, base: 
                           extra_args=lambda i: [*spec_argv, "--node-name", f"node{i}", "--log-level", "INFO"], env=env)
         view_of, training_of = rpc_in_namespace(swarm, "swarm"), rpc_in_namespace(swarm, "training", {"limit": 1000})
         try:
-            _start(swarm, args, view_of, t_spawn, online, known, reach, relayed)
+            _start(swarm, args, view_of, t_spawn, t_wall, online, known, reach, relayed)
+            t_ready = {n.index: n.ready_file.stat().st_mtime for n in swarm.nodes}
             ready_s = time.perf_counter() - t0
             print(f"  {name}: 6 daemons ONLINE in {ready_s:.0f} s (logs in {base / name})", flush=True)
             state = _train(swarm, args, name, view_of, training_of, online, known, reach, relayed)
+            schedule = rpc_in_namespace(swarm, "schedule")(swarm.nodes[0]) or {}
         except UserError as e:
             raise BenchError(f"{name}: {e}") from None
         finally:
@@ -219,10 +238,12 @@ def run_config(args, name: str, natted: bool, lab_name: str, subnet: int, base: 
     by_index = {n.index: n.peer_id for n in swarm.nodes}
     online_s = {i: (online[pid] - t_spawn[i] if pid in online else None) for i, pid in by_index.items() if i}
     known_s = {i: (known[pid] - t_spawn[i] if pid in known else None) for i, pid in by_index.items() if i}
+    ready_s = {i: t_ready[i] - t_wall[i] for i in t_ready if i}
     natted_nodes = list(NATTED) if natted else []
     return {**stats, "natted_nodes": natted_nodes,
             "reachability": {i: reach.get(pid, "unknown") for i, pid in by_index.items() if i},
-            "online_s": online_s, "reachability_known_s": known_s,
+            "online_s": online_s, "reachability_known_s": known_s, "ready_file_s": ready_s,
+            "microbatch_visits": microbatch_visits(schedule, by_index),
             "online": online_summary(online_s, natted_nodes or list(NATTED)),
             "relayed_addresses_seen": sorted(relayed), "bytes_relayed": 0,
             "wall_s": time.perf_counter() - t0, "leftover_processes": len(leftover),

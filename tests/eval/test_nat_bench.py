@@ -72,3 +72,13 @@ def test_no_namespaces_is_one_error_line(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: cannot create the NAT lab: creating network namespaces needs root"], err
     assert not (tmp_path / "nat.json").exists()
+
+
+def test_microbatch_visits_count_each_node_once_per_path():
+    m = _bench_module()
+    by_index = {0: "d0", 1: "d1", 2: "a", 3: "b"}
+    schedule = {"members": ["d1", "a", "d0", "b"], "schedule": {"paths": [
+        {"data_node": 2, "route": [2, 1, 3, 2], "microbatches": 2},  # d0 -> a -> b -> back to d0
+        {"data_node": 0, "route": [0, 3, 0], "microbatches": 1}]}}
+    assert m.microbatch_visits(schedule, by_index) == {0: 2, 1: 1, 2: 2, 3: 3}
+    assert m.microbatch_visits({}, by_index) == {0: 0, 1: 0, 2: 0, 3: 0}
