@@ -98,6 +98,7 @@ def test_natted_volunteers_train_crash_and_join(tmp_path):
 
     assert_each_step_committed_once(done, (0, 1), survivors, ITERATIONS, f"joiner {j} at stage {joiner.stage}")
     assert done[j]["history"] and 0 < done[j]["start_iteration"] <= done[j]["history"][0]["iteration"], done[j]
+    assert f"joined stage {joiner.stage} with the state of iteration" in logs[j], logs[j][-3000:]  # downloaded
     assert "Traceback" not in logs[j], logs[j][-3000:]
     losses = [h["loss"] for h in done[0]["history"]]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, f"loss did not fall: {losses}"
