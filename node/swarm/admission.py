@@ -134,14 +134,19 @@ class Admission:
     def __init__(self, self_id: str, config_digest: str, call: Callable[[str, dict], Awaitable[object]],
                  stages: Callable[[], tuple], log: logging.LoggerAdapter | logging.Logger = logger,
                  iteration: Callable[[], int | None] = lambda: None, epoch_start: Callable[[], int] = lambda: 0,
-                 ready: Callable[[], bool] = lambda: True):
+                 ready: Callable[[], bool] = lambda: True, reachable: Callable[[str], bool] = lambda peer: True):
         """``call(peer, params)``: the ``admit`` RPC to ``peer`` (raises on failure); ``iteration()``: the
         iteration this node's trainer last committed, None when it is not training; ``epoch_start()``: the
         first iteration of the current epoch (members are held to our progress only past it); ``ready()``:
-        False while this node knows it cannot train (its last join found no state it could verify)."""
+        False while this node knows it cannot train (its last join found no state it could verify);
+        ``reachable(peer)``: False when no connection between us can exist (both behind NAT, no relay).
+        Such a member is not probed: its failed probe would say nothing about whether it is alive (the
+        nodes that can reach it probe it), and counting it silent would make this node's trainer wait
+        for a stage replica that is training all along."""
         self.self_id, self.config_digest = self_id, config_digest
         self._call, self._stages, self._log = call, stages, log
         self._iteration, self._epoch_start, self._ready = iteration, epoch_start, ready
+        self._reachable = reachable
         self._drops: dict[str, int] = {}  # peer -> times dropped as silent or not training
         self._members: set[str] = set()  # the epoch members of the last round
         self.admitted: dict[str, float] = {}  # peer -> when it answered its first challenge
@@ -223,13 +228,19 @@ class Admission:
                 if e.peer_id != self.self_id and e.peer_id not in self.admitted and e.peer_id not in members
                 and e.peer_id not in self.left_out and self.same_config(e.advert)
                 and self._retry_at.get(e.peer_id, 0.0) <= now]  # a silent peer may earn its way back
-        probes = sorted((m for m in members if now - self._probed_at.get(m, -1e9) >= MEMBER_PROBE_EVERY_S),
+        unreachable = {m for m in members if not self._reachable(m)}
+        cleared = unreachable & self.silent  # made silent before we knew no probe of ours could reach it
+        for m in unreachable:
+            self.silent.discard(m)
+            self._failures.pop(m, None)
+        probes = sorted((m for m in members if m not in unreachable
+                         and now - self._probed_at.get(m, -1e9) >= MEMBER_PROBE_EVERY_S),
                         key=lambda m: self._probed_at.get(m, -1e9))[:MAX_PROBES_PER_ROUND]
         jobs = [self._admit(p, a) for p, a in asks if p not in self._in_flight]
         jobs += [self._probe(m) for m in probes if m not in self._in_flight]
         if not jobs:
-            return False
-        return any(await asyncio.gather(*jobs))
+            return bool(cleared)
+        return any(await asyncio.gather(*jobs)) or bool(cleared)
 
     async def _challenge(self, peer_id: str, member: bool = False) -> str | None:
         """None when ``peer_id`` answered correctly (and its progress is in step with ours), else why not."""

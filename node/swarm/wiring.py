@@ -10,6 +10,8 @@ from node.swarm.admission import Admission, challenge_over_p2p
 from node.swarm.coordinator import Coordinator
 from node.swarm.membership import MembershipParts
 from node.swarm.rpc_api import DaemonRpcApi, RpcSources
+from protocol.messages import Reachability
+from scheduler.reachability import LinkKind, link_kind
 
 if TYPE_CHECKING:
     from node.swarm.host import SwarmHost
@@ -46,7 +48,15 @@ def admission_of(daemon: "SwarmHost") -> Admission:
         daemon.peer_id, daemon.config_digest, challenge_over_p2p(daemon), lambda: daemon.stages, daemon.log,
         iteration=lambda: daemon.training_iteration() if daemon.training_iteration is not None else None,
         epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0,
-        ready=lambda: daemon.training_ready() if daemon.training_ready is not None else True)
+        ready=lambda: daemon.training_ready() if daemon.training_ready is not None else True,
+        reachable=lambda peer: can_connect(daemon, peer))
+
+
+def can_connect(daemon: "SwarmHost", peer_id: str) -> bool:
+    """Can a connection between this node and ``peer_id`` exist, by what both adverts say (unknown: yes)?"""
+    entry = daemon.view.get(peer_id) if daemon.view is not None else None
+    theirs = entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
+    return link_kind(daemon.reachability.value, theirs) is not LinkKind.IMPOSSIBLE
 
 
 def rpc_api_of(daemon: "SwarmHost") -> DaemonRpcApi:

@@ -7,6 +7,7 @@ with its edge cases (fake views and hosts, no network)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -350,3 +351,35 @@ async def test_a_node_that_says_it_cannot_train_is_not_admitted_and_dropped_at_o
     assert not await a.round(view.online(), ()) and ids[1] not in a.admitted
     assert await a.round([], (ids[0], ids[2])) and a.silent == {ids[2]}  # a member: out at its first probe
     assert a.answer({"nonce": "n"})["ready"] is True
+
+
+async def test_a_member_no_connection_can_reach_is_not_probed_nor_made_silent(identities, monkeypatch):
+    """Two nodes behind NAT cannot connect: a probe between them always fails, and counting the other
+    silent made a NATed replica's trainer wait for a stage whose only (NATed) node was training all along."""
+    from node.swarm.wiring import can_connect
+
+    monkeypatch.setattr(adm, "SILENT_AFTER_S", 0.0)
+    monkeypatch.setattr(adm, "MEMBER_PROBE_EVERY_S", 0.0)
+    ids = [i.peer_id.to_base58() for i in identities]
+    probed = []
+
+    async def call(peer, params):
+        probed.append(peer)
+        raise ConnectionError("unreachable at its advertised addresses")
+
+    natted = {ids[2]}
+    a = Admission(ids[0], DIGEST, call, lambda: (0,), reachable=lambda peer: peer not in natted)
+    members = (ids[0], ids[1], ids[2])
+    for _ in range(adm.SILENT_AFTER_PROBES + 1):
+        await a.round([], members)
+    assert ids[2] not in probed and a.silent == {ids[1]}  # the reachable one that never answers is silent
+    natted.add(ids[1])  # learned later: no connection to it can exist either
+    assert await a.round([], members) and a.silent == set()
+
+    view = _view(identities, 0, {0: (0,), 1: (1,), 2: (1,)})
+    view.peers[ids[1]].advert = dataclasses.replace(view.peers[ids[1]].advert, reachability="outbound_only")
+    host = SimpleNamespace(view=view, reachability=SimpleNamespace(value="outbound_only"))
+    assert not can_connect(host, ids[1])  # both outbound-only
+    assert can_connect(host, ids[2]) and can_connect(host, "unknown-peer")  # it may be dialled / nothing known
+    host.reachability.value = "direct"
+    assert can_connect(host, ids[1])
