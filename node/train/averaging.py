@@ -82,7 +82,11 @@ class AveragingConfig:
     #: last replica arrives and this only needs to exceed request_timeout (hivemind's advice)
     min_matchmaking_time_s: float = 5.0
     request_timeout_s: float = 3.0
-    allreduce_timeout_s: float = 60.0
+    #: how long an all-reduce may take once its group formed (seconds); None: sized from the stage's
+    #: gradient bytes (:func:`allreduce_timeout_for`). hivemind cannot stop a running all-reduce early, so
+    #: a groupmate that skips a round it was matched into (its view of us flapped) costs this replica this
+    #: long, and the whole swarm waits on its step meanwhile: it must fit the stage, not the largest model
+    allreduce_timeout_s: Optional[float] = None
     #: one hivemind step's time limit; a round is a series of such windows (see
     #: StageAverager.average). After each window without a group the replica checks whether its
     #: groupmates went on without it, so this bounds what a round nobody else joins costs. Two
@@ -98,6 +102,26 @@ class AveragingConfig:
 
 #: Smallest weight a replica averages with (see StageAverager.average).
 MIN_WEIGHT = 1e-6
+
+#: Shortest all-reduce limit (seconds), one round window. A round of a small stage on loopback takes well
+#: under a second. The wait must stay below a microbatch's deadline (about 18 s in the in-process swarm):
+#: the other nodes cannot start the next iteration's microbatches while one data node is stuck in its
+#: round, and 20 s was measured to drop every microbatch of that next iteration, 10 s none.
+MIN_ALLREDUCE_TIMEOUT_S = 10.0
+#: Slowest uplink the limit allows for (bytes/s): 10 Mbit/s, a modest home uplink.
+ALLREDUCE_MIN_BANDWIDTH_BPS = 1.25e6
+#: An all-reduce sends and receives about twice the tensor bytes per replica (reduce-scatter then
+#: all-gather); the limit allows twice that again for a loaded or lossy link.
+ALLREDUCE_TRAFFIC_FACTOR = 4.0
+
+
+def allreduce_timeout_for(nbytes: int, cfg: "AveragingConfig") -> float:
+    """The all-reduce limit for a stage whose gradients are ``nbytes`` (float32): the configured one,
+    or the time its traffic takes at :data:`ALLREDUCE_MIN_BANDWIDTH_BPS`, at least
+    :data:`MIN_ALLREDUCE_TIMEOUT_S`."""
+    if cfg.allreduce_timeout_s is not None:
+        return float(cfg.allreduce_timeout_s)
+    return max(MIN_ALLREDUCE_TIMEOUT_S, ALLREDUCE_TRAFFIC_FACTOR * nbytes / ALLREDUCE_MIN_BANDWIDTH_BPS)
 
 
 def groupmates_went_on(me: str, groupmates: Sequence[str], records: Dict[str, dict], epoch: int,
@@ -139,6 +163,7 @@ class StageAverager:
             raise RuntimeError("DecentralizedAverager must be created on the main thread")
         hivemind = import_hivemind()
         self.prefix, self.group_size, self.cfg = prefix, group_size, cfg
+        self.allreduce_timeout_s = allreduce_timeout_for(sum(t.numel() * 4 for t in like), cfg)
         self._avg = hivemind.DecentralizedAverager(
             averaged_tensors=[torch.zeros_like(t, device="cpu") for t in like],
             dht=dht,
@@ -150,7 +175,7 @@ class StageAverager:
             min_group_size=min(2, group_size),
             min_matchmaking_time=cfg.min_matchmaking_time_s,
             request_timeout=cfg.request_timeout_s,
-            allreduce_timeout=cfg.allreduce_timeout_s,
+            allreduce_timeout=self.allreduce_timeout_s,
             allow_state_sharing=False,
             compression=hivemind_compression(cfg.compression),
         )

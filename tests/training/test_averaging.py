@@ -14,7 +14,8 @@ import logging
 import pytest
 import torch
 
-from node.train.averaging import AveragingConfig, StageAverager, groupmates_went_on
+from node.train.averaging import (ALLREDUCE_MIN_BANDWIDTH_BPS, MIN_ALLREDUCE_TIMEOUT_S, AveragingConfig, StageAverager,
+                                  allreduce_timeout_for, groupmates_went_on)
 from node.launch.inproc_swarm import InProcessSwarm
 from node.launch.schedules import build_schedule
 from node.compat import import_hivemind
@@ -48,6 +49,16 @@ def _alive(*dead):
 ])
 def test_group_of_two(records, dead, went_on):
     assert groupmates_went_on("A", ["A", "B"], records, 1, _alive(*dead)) is went_on
+
+
+def test_the_allreduce_limit_fits_the_stage():
+    """A small stage gets the floor, a large one the time its traffic takes on a slow uplink, and a
+    configured limit wins: a fixed minute made a skipped round cost every node a minute."""
+    assert allreduce_timeout_for(1_000_000, AveragingConfig()) == MIN_ALLREDUCE_TIMEOUT_S
+    big = 500 * 1_000_000
+    assert allreduce_timeout_for(big, AveragingConfig()) > 100 * MIN_ALLREDUCE_TIMEOUT_S
+    assert allreduce_timeout_for(big, AveragingConfig()) >= 2 * big / ALLREDUCE_MIN_BANDWIDTH_BPS
+    assert allreduce_timeout_for(big, AveragingConfig(allreduce_timeout_s=7.0)) == 7.0
 
 
 def test_group_of_three_needs_every_groupmate_gone_on():
