@@ -102,6 +102,8 @@ async def test_a_running_swarm_admits_a_few_new_members_per_epoch(identities):
     view = _view(identities, 0, {k: ((0,) if k == 0 else (1,)) for k in range(8)})
     a = _admission(ids[0], {p: {"peer_id": p, "config_digest": DIGEST} for p in ids})
     await a.round(view.online(), ())
+    assert len(a.admitted) == adm.MAX_CHALLENGES_PER_ROUND  # the rest are asked at the next round
+    await a.round(view.online(), ())
     published = []
     c = _coordinator(identities[0], view, a, published)
     c.current = SimpleNamespace(members=(ids[0], ids[1]), epoch=1, start_iteration=10, coordinator=ids[0])
@@ -350,3 +352,63 @@ async def test_a_node_that_says_it_cannot_train_is_not_admitted_and_dropped_at_o
     assert not await a.round(view.online(), ()) and ids[1] not in a.admitted
     assert await a.round([], (ids[0], ids[2])) and a.silent == {ids[2]}  # a member: out at its first probe
     assert a.answer({"nonce": "n"})["ready"] is True
+
+
+async def test_a_silent_member_is_dropped_within_a_bound_that_adverts_cannot_stretch(monkeypatch):
+    """Rounds on a simulated clock: each round starts a heartbeat after the previous one ended and lasts
+    one challenge timeout per wave of challenges to peers that do not answer. With 300 made-up adverts
+    as candidates, every round stays one wave, a member that goes silent is dropped within
+    ``silent_drop_bound_s`` (3 and 20 other members), and an honest candidate among the fakes is still
+    admitted (round-robin over the candidates)."""
+    import math
+
+    heartbeat_s = 5.0
+    clock = [1000.0]
+    monkeypatch.setattr(adm, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def entry(peer):
+        return SimpleNamespace(peer_id=peer, advert=SimpleNamespace(config_digest=DIGEST, stages=(1,)))
+
+    for n_members in (3, 20):
+        members = ["me"] + [f"member{i:02d}" for i in range(n_members)]
+        answering = set(members) | {"honest"}
+        candidates = [entry(f"fake{i:03d}") for i in range(300)]
+        calls: list = []
+
+        async def call(peer, params):
+            calls.append(peer)
+            if peer in answering:
+                return {"peer_id": peer, "config_digest": DIGEST, "nonce": params["nonce"]}
+            raise TimeoutError("no daemon behind this advert")
+
+        a = Admission("me", DIGEST, call, lambda: (0,))
+
+        async def one_round():
+            calls.clear()
+            await a.round(candidates, members)
+            assert len(calls) <= adm.MAX_CONCURRENT_CHALLENGES, len(calls)  # one wave, whatever the adverts
+            waves = math.ceil(len(calls) / adm.MAX_CONCURRENT_CHALLENGES)
+            late = any(p not in answering for p in calls)
+            clock[0] += heartbeat_s + (waves * adm.CHALLENGE_TIMEOUT_S if late else 0.0)
+
+        for _ in range(10):  # steady state: every member probed and answering
+            await one_round()
+        assert not a.silent
+        silent_member, went_silent = members[-1], clock[0]
+        answering.discard(silent_member)
+        candidates.append(entry("honest"))
+        rounds, admitted_after = 0, None
+        while silent_member not in a.silent:
+            await one_round()
+            rounds += 1
+            if admitted_after is None and "honest" in a.admitted:
+                admitted_after = rounds
+            assert rounds < 1000
+        bound = adm.silent_drop_bound_s(n_members, heartbeat_s)
+        assert clock[0] - went_silent <= bound, (n_members, clock[0] - went_silent, bound)
+        assert bound < 10 * adm.SILENT_AFTER_S  # a bound worth the name for an epoch of 20
+        while admitted_after is None and rounds < 1000:
+            await one_round()
+            rounds += 1
+            admitted_after = rounds if "honest" in a.admitted else None
+        assert admitted_after is not None and admitted_after <= math.ceil(301 / adm.MAX_CHALLENGES_PER_ROUND) + 1
