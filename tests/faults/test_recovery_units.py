@@ -93,6 +93,45 @@ def test_a_tie_copies_only_a_state_a_failed_round_explains():
     assert not within_tie_bound(mine, {"w": near["w"]}, lr)[0]
 
 
+async def test_a_tie_with_a_liar_with_the_lower_id_keeps_our_weights(monkeypatch):
+    """The commit's wiring of the tie: replica "b" of stage 1 disagrees with "a" (lower id); "a" serves
+    all-zero weights: "b" keeps its own (and steps on), tries no second download within
+    TIE_EVERY_ITERATIONS, then takes a state a failed round explains. Only the download is stubbed."""
+    import node.dataplane.state_transfer as transfer
+    from node.train.commit import IterationCommit
+    from node.train.progress import StageResources
+    from node.train.resync import TIE_EVERY_ITERATIONS, ResyncDecision
+
+    cfg = TrainerConfig()
+    runtime = StageRuntime(build_stage(model_config("tiny", n_stages=3), 1, 0), OptimConfig(lr=cfg.optim.lr))
+    ours = {k: v.clone() for k, v in runtime.module.state_dict().items()}
+    served = []
+
+    async def fetch(p2p, run_id, peers, stage, it, **kw):
+        state = served.pop(0)
+        served.append(state)
+        return types.SimpleNamespace(state=state), None
+
+    monkeypatch.setattr(transfer, "fetch_verified_state", fetch)
+
+    async def compute(fn, *args):
+        return fn(*args)
+
+    commit = IterationCommit(cfg, peer_id="b", node_name="b", epochs=types.SimpleNamespace(stage=1), progress=
+                             types.SimpleNamespace(state_iteration=-1), health=None, resources=
+                             StageResources(runtime=runtime), sender=None, compute=compute, expected_state=lambda: None)
+    tie = ResyncDecision(ResyncAction.TIE, "a", ("a",), "two replicas disagree")
+    full = runtime.state_dict()
+    served.append({**full, "model": {k: torch.zeros_like(v) for k, v in full["model"].items()}})
+    assert await commit._resync(tie, 10) is None  # refused: the caller steps as usual
+    assert all(torch.equal(ours[k], v) for k, v in runtime.module.state_dict().items())
+    assert commit.resyncs_refused == 1 and commit.resyncs == 0
+    served[0] = {**full, "model": {k: v + 2 * cfg.optim.lr for k, v in ours.items()}}  # a failed round's distance
+    assert await commit._resync(tie, 11) is None and commit.resyncs_refused == 2  # too soon: not even asked
+    assert await commit._resync(tie, 10 + TIE_EVERY_ITERATIONS) is True and commit.resyncs == 1
+    assert all(torch.allclose(ours[k] + 2 * cfg.optim.lr, v) for k, v in runtime.module.state_dict().items())
+
+
 def test_last_bit_noise_of_an_allreduce_is_not_a_divergence():
     """Measured on skippipe up: ordinary rounds leave checksums of ~130 equal to 9 digits (below
     5e-7 apart); a failed round left 130.243528 vs 130.172493. Only the second must trigger a state download."""
