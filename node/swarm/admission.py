@@ -71,8 +71,6 @@ CHALLENGE_TIMEOUT_S = 5.0
 #: A candidate that failed its challenge is asked again no sooner than this: an advert with no node
 #: behind it costs each member one timed-out challenge per this many seconds, not one per heartbeat.
 RETRY_AFTER_S = 15.0
-#: Most challenges in flight at once: the work per round is bounded whatever the number of adverts.
-MAX_CONCURRENT_CHALLENGES = 8
 #: Most peers remembered per table (admitted, retry times, probe failures); the oldest go first.
 MAX_TRACKED = 1024
 #: Seconds between two probes of the same epoch member: every node probes every member, so this sets
@@ -82,12 +80,14 @@ MEMBER_PROBE_EVERY_S = 10.0
 #: Most members probed per round (oldest probe first): every node probes the members, so this bounds
 #: the swarm's probe traffic to members x this per heartbeat whatever the epoch's size.
 MAX_PROBES_PER_ROUND = 4
-#: Most candidates challenged per round (the longest unasked first): with the probes, one round is one
-#: wave of :data:`MAX_CONCURRENT_CHALLENGES` and so lasts at most :data:`CHALLENGE_TIMEOUT_S`. A round
-#: that challenged every due candidate would let adverts set its length (1000 made-up ones: 125 waves
-#: of timed-out challenges, ten minutes), and the members' probes, hence a silent member's drop, would
-#: wait behind them.
-MAX_CHALLENGES_PER_ROUND = MAX_CONCURRENT_CHALLENGES - MAX_PROBES_PER_ROUND
+#: Most candidates challenged per round (the longest unasked first): a launch of up to 17 nodes is
+#: admitted in one round, a larger one 16 per heartbeat. A round that challenged every due candidate
+#: would let adverts set its length (1000 made-up ones: 125 waves of 8 timed-out challenges, ten
+#: minutes), and the members' probes, hence a silent member's drop, would wait behind them.
+MAX_CHALLENGES_PER_ROUND = 16
+#: Most challenges in flight at once: one round's challenges and probes, so a round is one wave and
+#: lasts at most :data:`CHALLENGE_TIMEOUT_S` whatever the number of adverts (each is one small RPC).
+MAX_CONCURRENT_CHALLENGES = MAX_CHALLENGES_PER_ROUND + MAX_PROBES_PER_ROUND
 #: A member failing every probe this long is silent: longer than the pauses of an honest node on an
 #: overloaded machine (its adverts lapse after about as long), short enough that the swarm does not
 #: wait for a vanished member much longer than for one whose advert expired.

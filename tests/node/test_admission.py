@@ -102,8 +102,6 @@ async def test_a_running_swarm_admits_a_few_new_members_per_epoch(identities):
     view = _view(identities, 0, {k: ((0,) if k == 0 else (1,)) for k in range(8)})
     a = _admission(ids[0], {p: {"peer_id": p, "config_digest": DIGEST} for p in ids})
     await a.round(view.online(), ())
-    assert len(a.admitted) == adm.MAX_CHALLENGES_PER_ROUND  # the rest are asked at the next round
-    await a.round(view.online(), ())
     published = []
     c = _coordinator(identities[0], view, a, published)
     c.current = SimpleNamespace(members=(ids[0], ids[1]), epoch=1, start_iteration=10, coordinator=ids[0])
@@ -362,7 +360,7 @@ async def test_a_silent_member_is_dropped_within_a_bound_that_adverts_cannot_str
     admitted (round-robin over the candidates)."""
     import math
 
-    heartbeat_s = 5.0
+    heartbeat_s, fakes = 5.0, 300
     clock = [1000.0]
     monkeypatch.setattr(adm, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
@@ -372,7 +370,7 @@ async def test_a_silent_member_is_dropped_within_a_bound_that_adverts_cannot_str
     for n_members in (3, 20):
         members = ["me"] + [f"member{i:02d}" for i in range(n_members)]
         answering = set(members) | {"honest"}
-        candidates = [entry(f"fake{i:03d}") for i in range(300)]
+        candidates = [entry(f"fake{i:03d}") for i in range(fakes)]
         calls: list = []
 
         async def call(peer, params):
@@ -386,7 +384,8 @@ async def test_a_silent_member_is_dropped_within_a_bound_that_adverts_cannot_str
         async def one_round():
             calls.clear()
             await a.round(candidates, members)
-            assert len(calls) <= adm.MAX_CONCURRENT_CHALLENGES, len(calls)  # one wave, whatever the adverts
+            # one wave, and a round's work does not grow with the number of adverts
+            assert len(calls) <= min(adm.MAX_CONCURRENT_CHALLENGES, fakes // 10), len(calls)
             waves = math.ceil(len(calls) / adm.MAX_CONCURRENT_CHALLENGES)
             late = any(p not in answering for p in calls)
             clock[0] += heartbeat_s + (waves * adm.CHALLENGE_TIMEOUT_S if late else 0.0)
@@ -411,4 +410,4 @@ async def test_a_silent_member_is_dropped_within_a_bound_that_adverts_cannot_str
             await one_round()
             rounds += 1
             admitted_after = rounds if "honest" in a.admitted else None
-        assert admitted_after is not None and admitted_after <= math.ceil(301 / adm.MAX_CHALLENGES_PER_ROUND) + 1
+        assert admitted_after is not None and admitted_after <= math.ceil((fakes + 1) / adm.MAX_CHALLENGES_PER_ROUND) + 1
