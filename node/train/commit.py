@@ -92,6 +92,7 @@ class IterationCommit:
         #: re-syncs refused: no majority, a tie's state too far from ours or too soon after the last copy
         self.resyncs_refused = 0
         self._last_tie_try = -TIE_EVERY_ITERATIONS  # iteration of the last download under a tie
+        self._skipped_steps = 0  # steps we skipped since then (we know we are behind: a tie copy is due)
         #: iteration -> peer -> the record its direct NormReport carried
         self._reports: Dict[int, Dict[str, NormRecord]] = {}
         self._report_arrived: Optional[asyncio.Event] = None
@@ -176,6 +177,8 @@ class IterationCommit:
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
         t_norm = time.perf_counter()
         decision = self._resync_decision(records, mine.checksum)
+        if decision.action is ResyncAction.KEEP and not decision.why:
+            self._skipped_steps = 0  # in step with the stage's majority again
         # a member whose own report was left out steps on nothing (its gradient is the outlier)
         finite = math.isfinite(total_sq) and math.isfinite(mine.sq) and self.peer_id not in verdict.excluded
         # fp16: a member whose loss scale differs from the canonical data node's skips, like on an overflow,
@@ -186,6 +189,7 @@ class IterationCommit:
             if not finite:  # a poisoned gradient is never applied (replicas that stepped re-sync us)
                 self.log.warning("non-finite gradient norm at iteration %d; stage %d skips this step", it, self.epochs.stage)
                 runtime.skip_step()
+                self._skipped_steps += 1
             else:
                 if averaged:
                     self.screen.accepted(mine.sq)
@@ -425,12 +429,12 @@ class IterationCommit:
         from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
         tie = decision.action is ResyncAction.TIE
         if tie:
-            if it - self._last_tie_try < TIE_EVERY_ITERATIONS:
+            if it - self._last_tie_try < TIE_EVERY_ITERATIONS and not self._skipped_steps:
                 self._refuse_resync("not copying replica %s: a tie was last tried at iteration %d (at most once per "
-                                    "%d iterations); keeping our own state", decision.source[-8:],
+                                    "%d iterations unless we skipped a step); keeping our own state", decision.source[-8:],
                                     self._last_tie_try, TIE_EVERY_ITERATIONS)
                 return None
-            self._last_tie_try = it
+            self._last_tie_try, skipped, self._skipped_steps = it, self._skipped_steps, 0
         peers = [decision.source] + [p for p in decision.backers if p not in (decision.source, self.peer_id)]
         try:
             snap, _ = await fetch_verified_state(self.p2p, self.cfg.run_id, peers, self.epochs.stage, it,
@@ -447,7 +451,7 @@ class IterationCommit:
             return False
         if tie:
             ok, steps = await self.compute(lambda: within_tie_bound(
-                self.resources.runtime.module.state_dict(), snap.state["model"], self.cfg.optim.lr))
+                self.resources.runtime.module.state_dict(), snap.state["model"], self.cfg.optim.lr, skipped))
             if not ok:
                 self._refuse_resync("not copying replica %s: its weights are %.3g learning-rate steps from ours "
                                     "(more than a failed averaging round explains); keeping our own state",
@@ -461,6 +465,7 @@ class IterationCommit:
             self.resources.runtime.load_state_dict(state)
             self.resources.runtime.reset_grads()
             self.progress.state_iteration = it
+            self._skipped_steps = 0
 
         await self.compute(load)
         self.resyncs += 1

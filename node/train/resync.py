@@ -15,8 +15,10 @@ do (:func:`resync_decision`):
   would leave them apart (and every joiner of the stage disputed) for the rest of the run. So the
   replica whose id sorts later copies the other, but only a state within
   :data:`TIE_MAX_LR_STEPS` optimizer steps of its own (:func:`within_tie_bound`: what a failed round
-  explains), and it tries at most once per :data:`TIE_EVERY_ITERATIONS` iterations; otherwise it keeps
-  its own.
+  explains, plus :data:`TIE_LR_STEPS_PER_SKIP` per step it skipped itself), and it tries at most once
+  per :data:`TIE_EVERY_ITERATIONS` iterations unless it skipped a step since its last try (its own
+  report was left out, an fp16 overflow: it knows it is behind, and no peer can make it skip); otherwise
+  it keeps its own.
   A liar with the lower id can thus move an honest replica by a few steps' worth now and then, never
   hand it arbitrary weights.
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import List, Mapping, Optional, Tuple
 
 __all__ = ["ResyncAction", "ResyncDecision", "resync_decision", "within_tie_bound", "TIE_MAX_LR_STEPS",
-           "TIE_EVERY_ITERATIONS"]
+           "TIE_LR_STEPS_PER_SKIP", "TIE_EVERY_ITERATIONS"]
 
 #: Largest per-element difference, in units of the learning rate, between our weights and a tie's
 #: source state that a copy accepts. An Adam step moves an element by about ``lr`` (at most
@@ -40,7 +42,10 @@ __all__ = ["ResyncAction", "ResyncDecision", "resync_decision", "within_tie_boun
 #: leaves two honest replicas at most two such steps apart, and the source's state is one step
 #: further on: 10 keeps that honest case, while all-zero or perturbed weights are hundreds of steps away.
 TIE_MAX_LR_STEPS = 10.0
-#: Fewest iterations between two downloads under a tie: honest replicas diverge only when a round of
+#: Further learning-rate steps a tie copy may be away per step the copying replica skipped itself (its
+#: report left out, an fp16 overflow): the largest Adam step, ``(1 - beta1) / sqrt(1 - beta2)`` ~ 3.2 ``lr``.
+TIE_LR_STEPS_PER_SKIP = 3.2
+#: Fewest iterations between two downloads under a tie (unless the replica skipped a step since): honest replicas diverge only when a round of
 #: averaging failed (rare), while a liar would otherwise steer its partner by up to
 #: :data:`TIE_MAX_LR_STEPS` steps every iteration (and cost it a state download each time); with this
 #: gap it gets at most a fifth of an honest step's worth per iteration on average.
@@ -108,10 +113,12 @@ def resync_decision(replicas: Mapping[str, Tuple[int, float]], mine: float, stag
     return ResyncDecision(ResyncAction.REFUSE, why=f"no majority among {n} replicas (groups of {sizes})")
 
 
-def within_tie_bound(mine: Mapping[str, "object"], theirs: Mapping[str, "object"], lr: float) -> Tuple[bool, float]:
-    """Whether ``theirs`` (name -> tensor) is within :data:`TIE_MAX_LR_STEPS` learning-rate steps of
-    ``mine`` in every element; also the largest difference found, in units of ``lr``. Different
-    names or shapes are out of bounds."""
+def within_tie_bound(mine: Mapping[str, "object"], theirs: Mapping[str, "object"], lr: float,
+                     skipped: int = 0) -> Tuple[bool, float]:
+    """Whether ``theirs`` (name -> tensor) is within :data:`TIE_MAX_LR_STEPS` (plus
+    :data:`TIE_LR_STEPS_PER_SKIP` per step we ``skipped``) learning-rate steps of ``mine`` in every
+    element; also the largest difference found, in units of ``lr``. Different names or shapes are out
+    of bounds."""
     import torch
 
     if set(mine) != set(theirs) or lr <= 0:
@@ -128,4 +135,4 @@ def within_tie_bound(mine: Mapping[str, "object"], theirs: Mapping[str, "object"
             if not math.isfinite(diff):
                 return False, math.inf
             worst = max(worst, diff / lr)
-    return worst <= TIE_MAX_LR_STEPS, worst
+    return worst <= TIE_MAX_LR_STEPS + TIE_LR_STEPS_PER_SKIP * max(0, skipped), worst

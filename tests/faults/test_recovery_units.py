@@ -88,6 +88,8 @@ def test_a_tie_copies_only_a_state_a_failed_round_explains():
     assert ok and abs(steps - 3.0) < 1e-6
     assert not within_tie_bound(mine, {"w": torch.zeros(4, 3), "b": mine["b"], "steps": mine["steps"]}, lr)[0]
     assert not within_tie_bound(mine, dict(near, w=mine["w"] + 2 * TIE_MAX_LR_STEPS * lr), lr)[0]
+    beyond = dict(near, w=mine["w"] + (TIE_MAX_LR_STEPS + 2) * lr)
+    assert not within_tie_bound(mine, beyond, lr)[0] and within_tie_bound(mine, beyond, lr, skipped=1)[0]
     assert not within_tie_bound(mine, dict(near, w=torch.full((4, 3), math.nan)), lr)[0]
     assert not within_tie_bound(mine, dict(near, w=torch.ones(3, 4)), lr)[0]
     assert not within_tie_bound(mine, {"w": near["w"]}, lr)[0]
@@ -130,6 +132,13 @@ async def test_a_tie_with_a_liar_with_the_lower_id_keeps_our_weights(monkeypatch
     assert await commit._resync(tie, 11) is None and commit.resyncs_refused == 2  # too soon: not even asked
     assert await commit._resync(tie, 10 + TIE_EVERY_ITERATIONS) is True and commit.resyncs == 1
     assert all(torch.allclose(ours[k] + 2 * cfg.optim.lr, v) for k, v in runtime.module.state_dict().items())
+    # a replica that skipped its own step knows it is behind: it may copy again at once, a bit further
+    far = {k: v + (TIE_MAX_LR_STEPS + 2) * cfg.optim.lr for k, v in runtime.module.state_dict().items()}
+    served[0] = {**full, "model": far}
+    assert await commit._resync(tie, 11 + TIE_EVERY_ITERATIONS) is None  # too soon, nothing skipped
+    commit._skipped_steps = 1
+    assert await commit._resync(tie, 12 + TIE_EVERY_ITERATIONS) is True and commit.resyncs == 2
+    assert commit._skipped_steps == 0
 
 
 def test_last_bit_noise_of_an_allreduce_is_not_a_divergence():
