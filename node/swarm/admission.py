@@ -18,12 +18,15 @@ peer nobody can reach stalls every iteration routed through it. So a live advert
 * a peer that was a member and is not in the current epoch (its advert lapsed, it went silent) must
   answer a fresh challenge before an epoch names it again: its earlier answer says nothing about its
   progress now;
-* at most :data:`MAX_NEW_MEMBERS_PER_EPOCH` candidates are added to a running epoch at a time.
+* at most :data:`MAX_NEW_MEMBERS_PER_EPOCH` candidates are added to a running epoch at a time, and
+  at most :data:`MAX_CHALLENGES_PER_ROUND` are challenged per round (round-robin), so many adverts
+  slow down only their own admission, never the probes of the members.
 
 Epoch members are probed the same way every :data:`MEMBER_PROBE_EVERY_S`; a member that fails every
 probe for :data:`SILENT_AFTER_S` (and at least :data:`SILENT_AFTER_PROBES` in a row) counts as
 **silent**: gone for the trainer (:meth:`node.swarm.daemon.Daemon.peer_alive`, so training routes
-around it) and for the coordinator (the next epoch leaves it out), even while its adverts stay fresh.
+around it) and for the coordinator (the next epoch leaves it out), even while its adverts stay fresh,
+at most :func:`silent_drop_bound_s` after it went silent.
 A member that answers but does not **train** counts the same as one that does not answer: once this
 node has committed the epoch's first iteration, a member whose committed iteration lags ours by more
 than :data:`MAX_LAG_ITERATIONS` fails its probe (a joiner that could not verify any state, a node
@@ -44,12 +47,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
-__all__ = ["Admission", "ADMIT_METHOD", "MAX_NEW_MEMBERS_PER_EPOCH", "SILENT_AFTER_S", "new_members_allowed"]
+__all__ = ["Admission", "ADMIT_METHOD", "MAX_NEW_MEMBERS_PER_EPOCH", "SILENT_AFTER_S", "new_members_allowed",
+           "silent_drop_bound_s"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +71,6 @@ CHALLENGE_TIMEOUT_S = 5.0
 #: A candidate that failed its challenge is asked again no sooner than this: an advert with no node
 #: behind it costs each member one timed-out challenge per this many seconds, not one per heartbeat.
 RETRY_AFTER_S = 15.0
-#: Most challenges in flight at once: the work per round is bounded whatever the number of adverts.
-MAX_CONCURRENT_CHALLENGES = 8
 #: Most peers remembered per table (admitted, retry times, probe failures); the oldest go first.
 MAX_TRACKED = 1024
 #: Seconds between two probes of the same epoch member: every node probes every member, so this sets
@@ -77,6 +80,14 @@ MEMBER_PROBE_EVERY_S = 10.0
 #: Most members probed per round (oldest probe first): every node probes the members, so this bounds
 #: the swarm's probe traffic to members x this per heartbeat whatever the epoch's size.
 MAX_PROBES_PER_ROUND = 4
+#: Most candidates challenged per round (the longest unasked first): a launch of up to 17 nodes is
+#: admitted in one round, a larger one 16 per heartbeat. A round that challenged every due candidate
+#: would let adverts set its length (1000 made-up ones: 125 waves of 8 timed-out challenges, ten
+#: minutes), and the members' probes, hence a silent member's drop, would wait behind them.
+MAX_CHALLENGES_PER_ROUND = 16
+#: Most challenges in flight at once: one round's challenges and probes, so a round is one wave and
+#: lasts at most :data:`CHALLENGE_TIMEOUT_S` whatever the number of adverts (each is one small RPC).
+MAX_CONCURRENT_CHALLENGES = MAX_CHALLENGES_PER_ROUND + MAX_PROBES_PER_ROUND
 #: A member failing every probe this long is silent: longer than the pauses of an honest node on an
 #: overloaded machine (its adverts lapse after about as long), short enough that the swarm does not
 #: wait for a vanished member much longer than for one whose advert expired.
@@ -122,6 +133,18 @@ def new_members_allowed(current_members: Iterable[str] | None) -> int | None:
     return None if current_members is None else MAX_NEW_MEMBERS_PER_EPOCH
 
 
+def silent_drop_bound_s(members: int, heartbeat_s: float) -> float:
+    """Longest time from a member's going silent to its drop, with ``members`` other epoch members and
+    a round every ``heartbeat_s``: a round lasts at most ``heartbeat_s`` + :data:`CHALLENGE_TIMEOUT_S`
+    (one wave, whatever the number of candidates), a member is probed at least every
+    ``P = max(MEMBER_PROBE_EVERY_S + round, ceil(members / MAX_PROBES_PER_ROUND) * round)``, and it is
+    dropped at the first probe that finds :data:`SILENT_AFTER_PROBES` failures spanning
+    :data:`SILENT_AFTER_S`: ``P + max((SILENT_AFTER_PROBES - 1) * P, SILENT_AFTER_S + P)``."""
+    round_s = heartbeat_s + CHALLENGE_TIMEOUT_S
+    every = max(MEMBER_PROBE_EVERY_S + round_s, math.ceil(members / MAX_PROBES_PER_ROUND) * round_s)
+    return every + max((SILENT_AFTER_PROBES - 1) * every, SILENT_AFTER_S + every)
+
+
 @dataclass
 class _Failures:
     count: int
@@ -155,6 +178,7 @@ class Admission:
         self._retry_at: dict[str, float] = {}
         self._failures: dict[str, _Failures] = {}
         self._probed_at: dict[str, float] = {}
+        self._asked_at: dict[str, float] = {}  # candidate -> when its last challenge was sent
         self._in_flight: set[str] = set()
         self._semaphore = asyncio.Semaphore(MAX_CONCURRENT_CHALLENGES)
         #: Challenges answered / failed (status and tests).
@@ -228,6 +252,11 @@ class Admission:
                 if e.peer_id != self.self_id and e.peer_id not in self.admitted and e.peer_id not in members
                 and e.peer_id not in self.left_out and self.same_config(e.advert)
                 and self._retry_at.get(e.peer_id, 0.0) <= now]  # a silent peer may earn its way back
+        asks.sort(key=lambda a: (self._asked_at.get(a[0], -math.inf), secrets.randbits(32)))
+        asks = asks[:MAX_CHALLENGES_PER_ROUND]  # round-robin over the candidates, never-asked first
+        for peer_id, _ in asks:
+            self._asked_at[peer_id] = now
+        _bound(self._asked_at)
         unreachable = {m for m in members if not self._reachable(m)}
         cleared = unreachable & self.silent  # made silent before we knew no probe of ours could reach it
         for m in unreachable:

@@ -17,7 +17,8 @@
    ``norm_exchange_timeout_s`` is suspected and left out: a hung node must not stop the swarm.
 3. **Clip and step** by ``min(1, clip / norm)``; a non-finite norm skips the step. A replica whose
    checksum differs from its stage's canonical replica (a failed all-reduce) copies that replica's
-   state instead of stepping.
+   state instead of stepping, but only when a strict majority of the stage's replicas backs it, or,
+   between two replicas, within bounds (:mod:`node.train.resync`); otherwise it keeps its own.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 import math
 import time
 from dataclasses import replace
-from typing import Awaitable, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Awaitable, Callable, Dict, Mapping, Optional, Tuple
 
 from node.net.records import NormRecord, read_norm_records, write_norm_record
 from protocol.messages import NormReport
@@ -36,46 +37,17 @@ from scheduler.simulator import allreduce_time_s
 from node.train.averaging import groupmates_went_on
 from node.train.common import DoneFromNorm, IterationState, IterationStats, NodeLog
 from node.train.precision import loss_scales_agree
+from node.train.resync import TIE_EVERY_ITERATIONS, ResyncAction, ResyncDecision, resync_decision, within_tie_bound
 from node.train.runtime import clip_coefficient
 from node.train.screening import AveragingScreen, robust_squared_norm
 
-__all__ = ["IterationCommit", "resync_source", "majority_replicas", "global_squared_norm", "norm_report",
-           "record_of_report"]
+__all__ = ["IterationCommit", "global_squared_norm", "norm_report", "record_of_report"]
 
 logger = logging.getLogger(__name__)
 
-
-def majority_replicas(replicas: Mapping[str, Tuple[int, float]], stage: int, tolerance: float) -> List[str]:
-    """The largest group of ``stage``'s replicas (peer -> (stage, checksum)) whose checksums agree within
-    ``tolerance``, sorted; equally large groups (two replicas that disagree) go to the group holding the
-    lowest peer id. That tie-break is no evidence of honesty, but two honest replicas that diverged (a
-    failed all-reduce, a view flap) must converge again, and refusing to copy leaves them apart for good;
-    a liar among two replicas is an open gap (docs/operations.md). Only replicas with finite parameters
-    count (a NaN one would spread)."""
-    ours = sorted(p for p, (s, checksum) in replicas.items() if s == stage and math.isfinite(checksum))
-    groups: List[List[str]] = []
-    for p in ours:  # each group is anchored at its lowest peer id's checksum
-        anchor = next((g for g in groups if _close(replicas[g[0]][1], replicas[p][1], tolerance)), None)
-        if anchor is None:
-            groups.append([p])
-        else:
-            anchor.append(p)
-    return min(groups, key=lambda g: (-len(g), g[0])) if groups else []
-
-
-def _close(theirs: float, mine: float, tolerance: float) -> bool:
-    return math.isfinite(mine) and abs(theirs - mine) <= tolerance * max(1.0, abs(theirs))
-
-
-def resync_source(replicas: Mapping[str, Tuple[int, float]], mine: float, stage: int, me: str,
-                  tolerance: float) -> Optional[str]:
-    """The replica to copy from when ours diverged (a failed all-reduce, a bad member): the lowest peer
-    id of the stage's majority (:func:`majority_replicas`), not merely the lowest peer id, so one
-    diverged replica cannot drag the others to its weights; None when we agree with the majority."""
-    group = majority_replicas(replicas, stage, tolerance)
-    if not group or me in group or _close(replicas[group[0]][1], mine, tolerance):
-        return None
-    return group[0]
+#: One "re-sync refused" log line per this many refusals: replicas that disagree for good (a liar kept
+#: out) would otherwise log at every iteration.
+REFUSED_LOG_EVERY = 50
 
 
 def global_squared_norm(records: Mapping[str, NormRecord]) -> float:
@@ -117,6 +89,10 @@ class IterationCommit:
         self.p2p, self.dht, self.faults, self.emulation = p2p, dht, faults, emulation
         self.log = NodeLog(logger, node_name)
         self.resyncs = 0
+        #: re-syncs refused: no majority, a tie's state too far from ours or too soon after the last copy
+        self.resyncs_refused = 0
+        self._last_tie_try = -TIE_EVERY_ITERATIONS  # iteration of the last download under a tie
+        self._skipped_steps = 0  # steps we skipped since then (we know we are behind: a tie copy is due)
         #: iteration -> peer -> the record its direct NormReport carried
         self._reports: Dict[int, Dict[str, NormRecord]] = {}
         self._report_arrived: Optional[asyncio.Event] = None
@@ -200,9 +176,9 @@ class IterationCommit:
         total_sq = verdict.total_sq
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
         t_norm = time.perf_counter()
-        source = self._resync_source(records, mine.checksum)
-        majority = majority_replicas(self._trusted_checksums(records), self.epochs.stage,
-                                     self.cfg.resync_tolerance) if source is not None else []
+        decision = self._resync_decision(records, mine.checksum)
+        if decision.action is ResyncAction.KEEP and not decision.why:
+            self._skipped_steps = 0  # in step with the stage's majority again
         # a member whose own report was left out steps on nothing (its gradient is the outlier)
         finite = math.isfinite(total_sq) and math.isfinite(mine.sq) and self.peer_id not in verdict.excluded
         # fp16: a member whose loss scale differs from the canonical data node's skips, like on an overflow,
@@ -213,6 +189,7 @@ class IterationCommit:
             if not finite:  # a poisoned gradient is never applied (replicas that stepped re-sync us)
                 self.log.warning("non-finite gradient norm at iteration %d; stage %d skips this step", it, self.epochs.stage)
                 runtime.skip_step()
+                self._skipped_steps += 1
             else:
                 if averaged:
                     self.screen.accepted(mine.sq)
@@ -220,9 +197,8 @@ class IterationCommit:
                 runtime.step()
             self.progress.state_iteration = it
 
-        if source is not None:
-            await self._resync(source, it, majority)
-        else:
+        resynced = None if decision.source is None else await self._resync(decision, it)
+        if resynced is None:
             await self.compute(step)
         n_mb = sum(r.n_mb for r in records.values())
         return IterationStats(
@@ -232,7 +208,7 @@ class IterationCommit:
             active_nodes=len(records), local_visits=visits, averaged=averaged,
             microbatch_s=t_mb - t0, averaging_s=t_avg - t_mb, norm_exchange_s=t_norm - t_avg,
             step_s=time.perf_counter() - t_norm, dropped=dropped, retried=st.retried,
-            resynced=source is not None, compute_overrun_s=behind[0], late_frames_s=behind[1])
+            resynced=resynced is True, compute_overrun_s=behind[0], late_frames_s=behind[1])
 
     def _blame_reports(self, it: int, excluded: Mapping[str, str]) -> None:
         """Count the members whose norm reports were left out as faulty (banned after a few)."""
@@ -427,19 +403,39 @@ class IterationCommit:
         caught misbehaving (a poisoned round, a lying report) is neither a source nor part of a majority."""
         return {p: (r.stage, r.checksum) for p, r in records.items() if p == self.peer_id or self.health.trusted(p)}
 
-    def _resync_source(self, records: Mapping[str, NormRecord], mine: float) -> Optional[str]:
-        source = resync_source(self._trusted_checksums(records), mine, self.epochs.stage, self.peer_id,
-                               self.cfg.resync_tolerance)
-        if source is not None:
-            self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g); re-syncing",
-                             self.epochs.stage, source[-8:], mine, records[source].checksum)
-        return source
+    def _resync_decision(self, records: Mapping[str, NormRecord], mine: float) -> ResyncDecision:
+        decision = resync_decision(self._trusted_checksums(records), mine, self.epochs.stage, self.peer_id,
+                                   self.cfg.resync_tolerance)
+        if decision.action is ResyncAction.FOLLOW or decision.action is ResyncAction.TIE:
+            self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g; %s); re-syncing",
+                             self.epochs.stage, decision.source[-8:], mine, records[decision.source].checksum,
+                             decision.why)
+        elif decision.action is ResyncAction.REFUSE:
+            self._refuse_resync("stage %d replicas disagree (%s): keeping our own state", self.epochs.stage,
+                                decision.why)
+        return decision
 
-    async def _resync(self, source: str, it: int, majority: List[str]) -> None:
-        """Take the state of the stage's majority right after its step of ``it`` (from ``source`` when
-        the others back it) instead of stepping ourselves."""
+    def _refuse_resync(self, msg: str, *args) -> None:
+        """Count a refused re-sync; log the first and then one in :data:`REFUSED_LOG_EVERY` (a disagreement
+        that lasts is seen at every iteration)."""
+        self.resyncs_refused += 1
+        if self.resyncs_refused % REFUSED_LOG_EVERY == 1:
+            self.log.warning(msg + " (%d refused so far)", *args, self.resyncs_refused)
+
+    async def _resync(self, decision: ResyncDecision, it: int) -> Optional[bool]:
+        """Take the state of the stage's majority (or, under a tie, the other replica's) right after its
+        step of ``it`` instead of stepping ourselves: True when loaded, False when no replica handed it over
+        (we stepped on our own), None when a tie's state is refused (the caller steps as usual)."""
         from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
-        peers = [source] + [p for p in majority if p not in (source, self.peer_id)]
+        tie = decision.action is ResyncAction.TIE
+        if tie:
+            if it - self._last_tie_try < TIE_EVERY_ITERATIONS and not self._skipped_steps:
+                self._refuse_resync("not copying replica %s: a tie was last tried at iteration %d (at most once per "
+                                    "%d iterations unless we skipped a step); keeping our own state", decision.source[-8:],
+                                    self._last_tie_try, TIE_EVERY_ITERATIONS)
+                return None
+            self._last_tie_try, skipped, self._skipped_steps = it, self._skipped_steps, 0
+        peers = [decision.source] + [p for p in decision.backers if p not in (decision.source, self.peer_id)]
         try:
             snap, _ = await fetch_verified_state(self.p2p, self.cfg.run_id, peers, self.epochs.stage, it,
                                                  expected=self.expected_state(),
@@ -452,13 +448,25 @@ class IterationCommit:
                 self.progress.state_iteration = it
 
             await self.compute(step_unclipped)
-            return
+            return False
+        if tie:
+            ok, steps = await self.compute(lambda: within_tie_bound(
+                self.resources.runtime.module.state_dict(), snap.state["model"], self.cfg.optim.lr, skipped))
+            if not ok:
+                self._refuse_resync("not copying replica %s: its weights are %.3g learning-rate steps from ours "
+                                    "(more than a failed averaging round explains); keeping our own state",
+                                    decision.source[-8:], steps)
+                return None
+            self.log.info("copying replica %s under a tie: its weights are %.3g learning-rate steps from ours",
+                          decision.source[-8:], steps)
         state = snap.state
 
         def load() -> None:
             self.resources.runtime.load_state_dict(state)
             self.resources.runtime.reset_grads()
             self.progress.state_iteration = it
+            self._skipped_steps = 0
 
         await self.compute(load)
         self.resyncs += 1
+        return True

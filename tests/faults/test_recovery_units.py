@@ -7,19 +7,20 @@ import torch
 
 from node.train.model import build_stage, model_config
 from node.train.runtime import OptimConfig, StageRuntime
-from node.train.commit import resync_source
+from node.train.resync import TIE_MAX_LR_STEPS, ResyncAction, resync_decision, within_tie_bound
 from node.train.trainer import TrainerConfig
 
 
 def _node(peer_id: str, stage: int = 1):
-    """The resync rule as the replica ``peer_id`` of ``stage`` applies it (members d, a, b; d is stage 0)."""
+    """The resync rule as the replica ``peer_id`` of ``stage`` applies it (members d, a, b; d is stage 0):
+    ``_resync_source`` names whom it downloads from (None: it keeps its own state)."""
     tolerance = TrainerConfig().resync_tolerance
 
-    def choose(records, mine):
+    def decide(records, mine):
         replicas = {p: (r["stage"], r["checksum"]) for p, r in records.items()}
-        return resync_source(replicas, mine, stage, peer_id, tolerance)
+        return resync_decision(replicas, mine, stage, peer_id, tolerance)
 
-    return types.SimpleNamespace(_resync_source=choose)
+    return types.SimpleNamespace(_resync_source=lambda records, mine: decide(records, mine).source, decide=decide)
 
 
 def test_resync_copies_a_finite_majority_only():
@@ -34,13 +35,15 @@ def test_resync_copies_a_finite_majority_only():
     assert _node("a")._resync_source(dict(records, a={"stage": 1, "checksum": math.nan}), math.nan) == "b"
 
 
-def test_two_replicas_that_disagree_converge_on_the_lowest_peer_id():
-    """Two replicas that diverged (a failed all-reduce, a view flap) must converge again: with no majority
-    the one whose id sorts later copies the other (a liar among two replicas is an open gap)."""
+def test_two_replicas_that_disagree_tie_and_only_the_later_id_may_copy_within_bounds():
+    """Two replicas that diverged (a failed all-reduce, a view flap) must converge again: with no third
+    opinion the one whose id sorts later may copy the other, as a TIE (bounded by within_tie_bound and a
+    rate limit in the commit), never as a plain FOLLOW."""
     records = {"a": {"stage": 1, "checksum": 99.0}, "b": {"stage": 1, "checksum": 10.0},
                "d": {"stage": 0, "checksum": 1.0}}
-    assert _node("b")._resync_source(records, 10.0) == "a"
-    assert _node("a")._resync_source(records, 99.0) is None
+    decision = _node("b").decide(records, 10.0)
+    assert decision.action is ResyncAction.TIE and decision.source == "a"
+    assert _node("a").decide(records, 99.0).action is ResyncAction.KEEP
 
 
 def test_resync_follows_the_majority_not_the_lowest_peer_id():
@@ -50,7 +53,92 @@ def test_resync_follows_the_majority_not_the_lowest_peer_id():
                "c": {"stage": 1, "checksum": 10.0 + 1e-7}, "d": {"stage": 0, "checksum": 1.0}}
     assert _node("b")._resync_source(records, 10.0) is None
     assert _node("c")._resync_source(records, 10.0 + 1e-7) is None
-    assert _node("a")._resync_source(records, 99.0) == "b"
+    decision = _node("a").decide(records, 99.0)
+    assert decision.action is ResyncAction.FOLLOW and decision.source == "b" and decision.backers == ("b", "c")
+
+
+def test_with_no_majority_a_replica_keeps_its_own_state():
+    """Three replicas that all differ (one liar, one honest replica that diverged): nobody follows "the
+    lowest peer id", each keeps its own; two against two is no majority either; its own checksum counts
+    as one opinion when it matches one of its peers'."""
+    three = {"a": {"stage": 1, "checksum": 99.0}, "b": {"stage": 1, "checksum": 10.0},
+             "c": {"stage": 1, "checksum": 11.0}, "d": {"stage": 0, "checksum": 1.0}}
+    for me in ("b", "c"):
+        decision = _node(me).decide(three, three[me]["checksum"])
+        assert decision.action is ResyncAction.REFUSE and decision.source is None, decision
+        assert "no majority among 3 replicas" in decision.why
+    assert _node("a").decide(three, 99.0).action is ResyncAction.REFUSE
+    four = dict(three, c={"stage": 1, "checksum": 99.0}, e={"stage": 1, "checksum": 10.0})
+    assert _node("b").decide(four, 10.0).action is ResyncAction.REFUSE  # 2 against 2
+    # our own opinion breaks the tie between two peers: we agree with "b", so "a" is outvoted
+    mine_matches = dict(three, c={"stage": 1, "checksum": 10.0})
+    assert _node("c").decide(mine_matches, 10.0).action is ResyncAction.KEEP
+    assert _node("a").decide(mine_matches, 99.0).source == "b"
+    # a liar with the lowest id in a stage of three where the other two disagree hands nobody its weights
+    assert all(_node(me)._resync_source(three, three[me]["checksum"]) != "a" for me in ("b", "c"))
+
+
+def test_a_tie_copies_only_a_state_a_failed_round_explains():
+    """Between two replicas the copy is bounded: weights a few learning-rate steps away (a failed
+    averaging round) are taken, all-zero or perturbed weights (a liar with the lower id) are not."""
+    lr = 1e-3
+    mine = {"w": torch.ones(4, 3), "b": torch.zeros(3), "steps": torch.tensor(3)}
+    near = {"w": mine["w"] + 2 * lr, "b": mine["b"] - 3 * lr, "steps": torch.tensor(4)}
+    ok, steps = within_tie_bound(mine, near, lr)
+    assert ok and abs(steps - 3.0) < 1e-6
+    assert not within_tie_bound(mine, {"w": torch.zeros(4, 3), "b": mine["b"], "steps": mine["steps"]}, lr)[0]
+    assert not within_tie_bound(mine, dict(near, w=mine["w"] + 2 * TIE_MAX_LR_STEPS * lr), lr)[0]
+    beyond = dict(near, w=mine["w"] + (TIE_MAX_LR_STEPS + 2) * lr)
+    assert not within_tie_bound(mine, beyond, lr)[0] and within_tie_bound(mine, beyond, lr, skipped=1)[0]
+    assert not within_tie_bound(mine, dict(near, w=torch.full((4, 3), math.nan)), lr)[0]
+    assert not within_tie_bound(mine, dict(near, w=torch.ones(3, 4)), lr)[0]
+    assert not within_tie_bound(mine, {"w": near["w"]}, lr)[0]
+
+
+async def test_a_tie_with_a_liar_with_the_lower_id_keeps_our_weights(monkeypatch):
+    """The commit's wiring of the tie: replica "b" of stage 1 disagrees with "a" (lower id); "a" serves
+    all-zero weights: "b" keeps its own (and steps on), tries no second download within
+    TIE_EVERY_ITERATIONS, then takes a state a failed round explains. Only the download is stubbed."""
+    import node.dataplane.state_transfer as transfer
+    from node.train.commit import IterationCommit
+    from node.train.progress import StageResources
+    from node.train.resync import TIE_EVERY_ITERATIONS, ResyncDecision
+
+    cfg = TrainerConfig()
+    runtime = StageRuntime(build_stage(model_config("tiny", n_stages=3), 1, 0), OptimConfig(lr=cfg.optim.lr))
+    ours = {k: v.clone() for k, v in runtime.module.state_dict().items()}
+    served = []
+
+    async def fetch(p2p, run_id, peers, stage, it, **kw):
+        state = served.pop(0)
+        served.append(state)
+        return types.SimpleNamespace(state=state), None
+
+    monkeypatch.setattr(transfer, "fetch_verified_state", fetch)
+
+    async def compute(fn, *args):
+        return fn(*args)
+
+    commit = IterationCommit(cfg, peer_id="b", node_name="b", epochs=types.SimpleNamespace(stage=1), progress=
+                             types.SimpleNamespace(state_iteration=-1), health=None, resources=
+                             StageResources(runtime=runtime), sender=None, compute=compute, expected_state=lambda: None)
+    tie = ResyncDecision(ResyncAction.TIE, "a", ("a",), "two replicas disagree")
+    full = runtime.state_dict()
+    served.append({**full, "model": {k: torch.zeros_like(v) for k, v in full["model"].items()}})
+    assert await commit._resync(tie, 10) is None  # refused: the caller steps as usual
+    assert all(torch.equal(ours[k], v) for k, v in runtime.module.state_dict().items())
+    assert commit.resyncs_refused == 1 and commit.resyncs == 0
+    served[0] = {**full, "model": {k: v + 2 * cfg.optim.lr for k, v in ours.items()}}  # a failed round's distance
+    assert await commit._resync(tie, 11) is None and commit.resyncs_refused == 2  # too soon: not even asked
+    assert await commit._resync(tie, 10 + TIE_EVERY_ITERATIONS) is True and commit.resyncs == 1
+    assert all(torch.allclose(ours[k] + 2 * cfg.optim.lr, v) for k, v in runtime.module.state_dict().items())
+    # a replica that skipped its own step knows it is behind: it may copy again at once, a bit further
+    far = {k: v + (TIE_MAX_LR_STEPS + 2) * cfg.optim.lr for k, v in runtime.module.state_dict().items()}
+    served[0] = {**full, "model": far}
+    assert await commit._resync(tie, 11 + TIE_EVERY_ITERATIONS) is None  # too soon, nothing skipped
+    commit._skipped_steps = 1
+    assert await commit._resync(tie, 12 + TIE_EVERY_ITERATIONS) is True and commit.resyncs == 2
+    assert commit._skipped_steps == 0
 
 
 def test_last_bit_noise_of_an_allreduce_is_not_a_divergence():

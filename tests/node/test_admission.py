@@ -383,3 +383,64 @@ async def test_a_member_no_connection_can_reach_is_not_probed_nor_made_silent(id
     assert can_connect(host, ids[2]) and can_connect(host, "unknown-peer")  # it may be dialled / nothing known
     host.reachability.value = "direct"
     assert can_connect(host, ids[1])
+
+
+async def test_a_silent_member_is_dropped_within_a_bound_that_adverts_cannot_stretch(monkeypatch):
+    """Rounds on a simulated clock: each round starts a heartbeat after the previous one ended and lasts
+    one challenge timeout per wave of challenges to peers that do not answer. With 300 made-up adverts
+    as candidates, every round stays one wave, a member that goes silent is dropped within
+    ``silent_drop_bound_s`` (3 and 20 other members), and an honest candidate among the fakes is still
+    admitted (round-robin over the candidates)."""
+    import math
+
+    heartbeat_s, fakes = 5.0, 300
+    clock = [1000.0]
+    monkeypatch.setattr(adm, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def entry(peer):
+        return SimpleNamespace(peer_id=peer, advert=SimpleNamespace(config_digest=DIGEST, stages=(1,)))
+
+    for n_members in (3, 20):
+        members = ["me"] + [f"member{i:02d}" for i in range(n_members)]
+        answering = set(members) | {"honest"}
+        candidates = [entry(f"fake{i:03d}") for i in range(fakes)]
+        calls: list = []
+
+        async def call(peer, params):
+            calls.append(peer)
+            if peer in answering:
+                return {"peer_id": peer, "config_digest": DIGEST, "nonce": params["nonce"]}
+            raise TimeoutError("no daemon behind this advert")
+
+        a = Admission("me", DIGEST, call, lambda: (0,))
+
+        async def one_round():
+            calls.clear()
+            await a.round(candidates, members)
+            # one wave, and a round's work does not grow with the number of adverts
+            assert len(calls) <= min(adm.MAX_CONCURRENT_CHALLENGES, fakes // 10), len(calls)
+            waves = math.ceil(len(calls) / adm.MAX_CONCURRENT_CHALLENGES)
+            late = any(p not in answering for p in calls)
+            clock[0] += heartbeat_s + (waves * adm.CHALLENGE_TIMEOUT_S if late else 0.0)
+
+        for _ in range(10):  # steady state: every member probed and answering
+            await one_round()
+        assert not a.silent
+        silent_member, went_silent = members[-1], clock[0]
+        answering.discard(silent_member)
+        candidates.append(entry("honest"))
+        rounds, admitted_after = 0, None
+        while silent_member not in a.silent:
+            await one_round()
+            rounds += 1
+            if admitted_after is None and "honest" in a.admitted:
+                admitted_after = rounds
+            assert rounds < 1000
+        bound = adm.silent_drop_bound_s(n_members, heartbeat_s)
+        assert clock[0] - went_silent <= bound, (n_members, clock[0] - went_silent, bound)
+        assert bound < 10 * adm.SILENT_AFTER_S  # a bound worth the name for an epoch of 20
+        while admitted_after is None and rounds < 1000:
+            await one_round()
+            rounds += 1
+            admitted_after = rounds if "honest" in a.admitted else None
+        assert admitted_after is not None and admitted_after <= math.ceil((fakes + 1) / adm.MAX_CHALLENGES_PER_ROUND) + 1

@@ -1,0 +1,138 @@
+"""Which replica, if any, a diverged replica copies its stage's state from.
+
+Every member reports a checksum of its stage's parameters with its gradient norm; replicas of a
+stage must agree. When they do not, each replica decides on its own, from the same reports, what to
+do (:func:`resync_decision`):
+
+* a **strict majority** of the stage's opinions (its own counts as one) holds the same weights: a
+  replica outside it copies the majority (from its lowest peer id, the others of the majority
+  backing the download); a replica inside it keeps stepping;
+* **three or more opinions and no majority** (three replicas that all differ, two against two): no
+  replica can tell which is right, so each keeps its own state and steps on; copying "the lowest
+  peer id" would let a liar that picked a low id hand its weights to everyone;
+* **two replicas that disagree** (two opinions, no third): the same doubt, but two honest replicas
+  diverge whenever one round of averaging failed on one side (a view flap), and refusing for good
+  would leave them apart (and every joiner of the stage disputed) for the rest of the run. So the
+  replica whose id sorts later copies the other, but only a state within
+  :data:`TIE_MAX_LR_STEPS` optimizer steps of its own (:func:`within_tie_bound`: what a failed round
+  explains, plus :data:`TIE_LR_STEPS_PER_SKIP` per step it skipped itself), and it tries at most once
+  per :data:`TIE_EVERY_ITERATIONS` iterations unless it skipped a step since its last try (its own
+  report was left out, an fp16 overflow: it knows it is behind, and no peer can make it skip); otherwise
+  it keeps its own.
+  A liar with the lower id can thus move an honest replica by a few steps' worth now and then, never
+  hand it arbitrary weights.
+
+A replica whose own parameters are not finite follows the largest finite group (its own state is of
+no use to anyone).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Tuple
+
+__all__ = ["ResyncAction", "ResyncDecision", "resync_decision", "within_tie_bound", "TIE_MAX_LR_STEPS",
+           "TIE_LR_STEPS_PER_SKIP", "TIE_EVERY_ITERATIONS"]
+
+#: Largest per-element difference, in units of the learning rate, between our weights and a tie's
+#: source state that a copy accepts. An Adam step moves an element by about ``lr`` (at most
+#: ``(1 - beta1) / sqrt(1 - beta2)``, ~3.2 ``lr``, for the default betas); a failed averaging round
+#: leaves two honest replicas at most two such steps apart, and the source's state is one step
+#: further on: 10 keeps that honest case, while all-zero or perturbed weights are hundreds of steps away.
+TIE_MAX_LR_STEPS = 10.0
+#: Further learning-rate steps a tie copy may be away per step the copying replica skipped itself (its
+#: report left out, an fp16 overflow): the largest Adam step, ``(1 - beta1) / sqrt(1 - beta2)`` ~ 3.2 ``lr``.
+TIE_LR_STEPS_PER_SKIP = 3.2
+#: Fewest iterations between two downloads under a tie (unless the replica skipped a step since): honest replicas diverge only when a round of
+#: averaging failed (rare), while a liar would otherwise steer its partner by up to
+#: :data:`TIE_MAX_LR_STEPS` steps every iteration (and cost it a state download each time); with this
+#: gap it gets at most a fifth of an honest step's worth per iteration on average.
+TIE_EVERY_ITERATIONS = 50
+
+
+class ResyncAction(str, enum.Enum):
+    """What a replica does with the stage's checksums of one iteration."""
+
+    KEEP = "keep"  # we are in the majority (or the lower id of a tie): step as usual
+    FOLLOW = "follow"  # a strict majority holds other weights: copy it
+    TIE = "tie"  # two replicas disagree and ours sorts later: copy the other within the tie's bounds
+    REFUSE = "refuse"  # three or more opinions, no majority: keep our own state and step
+
+
+@dataclass(frozen=True)
+class ResyncDecision:
+    action: ResyncAction
+    source: Optional[str] = None  # whom to download from (FOLLOW, TIE)
+    backers: Tuple[str, ...] = ()  # the source's group (they back the download)
+    why: str = ""
+
+
+def _close(theirs: float, mine: float, tolerance: float) -> bool:
+    return math.isfinite(mine) and abs(theirs - mine) <= tolerance * max(1.0, abs(theirs))
+
+
+def _groups(checksums: Mapping[str, float], tolerance: float) -> List[List[str]]:
+    """Peers grouped by checksum, each group anchored at its lowest peer id's checksum, sorted by
+    size (largest first), then by lowest peer id."""
+    groups: List[List[str]] = []
+    for p in sorted(checksums):
+        anchor = next((g for g in groups if _close(checksums[g[0]], checksums[p], tolerance)), None)
+        if anchor is None:
+            groups.append([p])
+        else:
+            anchor.append(p)
+    return sorted(groups, key=lambda g: (-len(g), g[0]))
+
+
+def resync_decision(replicas: Mapping[str, Tuple[int, float]], mine: float, stage: int, me: str,
+                    tolerance: float) -> ResyncDecision:
+    """The rule of the module docstring for replica ``me`` of ``stage`` holding checksum ``mine``;
+    ``replicas``: peer -> (stage, checksum) of the members it trusts (other stages are ignored)."""
+    checksums = {p: c for p, (s, c) in replicas.items() if s == stage and p != me and math.isfinite(c)}
+    own_finite = math.isfinite(mine)
+    if own_finite:
+        checksums[me] = mine
+    groups = _groups(checksums, tolerance)
+    if not groups:
+        return ResyncDecision(ResyncAction.KEEP, why="no finite replica to compare with")
+    top, n = groups[0], len(checksums)
+    if 2 * len(top) > n or not own_finite:
+        if me in top:
+            return ResyncDecision(ResyncAction.KEEP)
+        why = (f"{len(top)} of {n} replicas hold other weights" if own_finite
+               else "our parameters are not finite")
+        return ResyncDecision(ResyncAction.FOLLOW, top[0], tuple(top), why)
+    if n == 2:
+        other = next(p for p in checksums if p != me)
+        if other < me:
+            return ResyncDecision(ResyncAction.TIE, other, (other,), "two replicas disagree, no third opinion")
+        return ResyncDecision(ResyncAction.KEEP, why="two replicas disagree; the other one sorts later")
+    sizes = "/".join(str(len(g)) for g in groups)
+    return ResyncDecision(ResyncAction.REFUSE, why=f"no majority among {n} replicas (groups of {sizes})")
+
+
+def within_tie_bound(mine: Mapping[str, "object"], theirs: Mapping[str, "object"], lr: float,
+                     skipped: int = 0) -> Tuple[bool, float]:
+    """Whether ``theirs`` (name -> tensor) is within :data:`TIE_MAX_LR_STEPS` (plus
+    :data:`TIE_LR_STEPS_PER_SKIP` per step we ``skipped``) learning-rate steps of ``mine`` in every
+    element; also the largest difference found, in units of ``lr``. Different names or shapes are out
+    of bounds."""
+    import torch
+
+    if set(mine) != set(theirs) or lr <= 0:
+        return False, math.inf
+    worst = 0.0
+    with torch.no_grad():
+        for name, a in mine.items():
+            b = theirs[name]
+            if tuple(a.shape) != tuple(b.shape):
+                return False, math.inf
+            if a.numel() == 0 or not a.is_floating_point():
+                continue
+            diff = float((a.detach().double() - b.detach().to(a.device).double()).abs().max())
+            if not math.isfinite(diff):
+                return False, math.inf
+            worst = max(worst, diff / lr)
+    return worst <= TIE_MAX_LR_STEPS + TIE_LR_STEPS_PER_SKIP * max(0, skipped), worst
