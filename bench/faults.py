@@ -63,6 +63,13 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
+try:
+    from node.ops.bench_cli import BenchError, run_bench
+except ImportError as _e:  # not the project's venv: one line, not a traceback
+    print(f"error: cannot import the node package ({_e}); run with the project's venv: "
+          ".venv/bin/python bench/faults.py (bash scripts/setup.sh creates it)", file=sys.stderr)
+    sys.exit(2)
+
 from node.ops.tables import text_table
 from node.launch.process_swarm import training_state
 from node.launch.procs import ancestors, processes_mentioning
@@ -81,10 +88,6 @@ ITERATION_TIMEOUT_S = 240.0
 AGREEMENT_TIMEOUT_S = 300.0
 #: Seconds a stopping daemon keeps training for its epoch (the bench stops all at once at the end).
 DRAIN_TIMEOUT_S = 5.0
-
-
-class BenchError(Exception):
-    """A failure reported as one ``error:`` line (no traceback)."""
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -624,14 +627,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return _main(args)
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted (every daemon was stopped)", file=sys.stderr)
-        return 130
+    return run_bench(lambda: _main(args), "every daemon was stopped")
 
 
 def _main(args) -> int:
@@ -654,17 +650,12 @@ def _main(args) -> int:
     if args.swarm:
         print(f"  kill plan (non-data nodes, cumulative {', '.join(f'{f:.0%}' for f in args.lose)}): {plan}", flush=True)
 
-        def on_term(signum, frame):
-            raise KeyboardInterrupt
-
-        previous = signal.signal(signal.SIGTERM, on_term)  # so the finally blocks stop every daemon
         base = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="skippipe-faults-"))
         ok = False
         try:
             swarm_res = run_swarm(args, pathlib.Path(base))
             ok = True
         finally:
-            signal.signal(signal.SIGTERM, previous)
             if args.workdir is None:
                 if ok:
                     shutil.rmtree(base, ignore_errors=True)

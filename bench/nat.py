@@ -47,7 +47,6 @@ import os
 import pathlib
 import platform
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -57,6 +56,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
+
+try:
+    from node.ops.bench_cli import BenchError, run_bench
+except ImportError as _e:  # not the project's venv: one line, not a traceback
+    print(f"error: cannot import the node package ({_e}); run with the project's venv: "
+          ".venv/bin/python bench/nat.py (bash scripts/setup.sh creates it)", file=sys.stderr)
+    sys.exit(2)
+
 RESULTS_DIR = _ROOT / "bench" / "results"
 
 __all__ = ["main", "parse_args", "summarize", "online_summary", "build_result", "CONFIGS"]
@@ -81,10 +88,6 @@ ITERATION_TIMEOUT_S = 240.0
 POLL_S = 0.5
 #: Nodes 1-3: public joiners spawned with the NATed ones (node 0 founds the swarm before any joiner starts).
 PUBLIC_JOINERS = (1, 2, 3)
-
-
-class BenchError(Exception):
-    """A failure reported as one ``error:`` line (no traceback)."""
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
@@ -322,14 +325,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return _main(args)
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted (every daemon was stopped, the lab removed)", file=sys.stderr)
-        return 130
+    return run_bench(lambda: _main(args), "every daemon was stopped, the lab removed")
 
 
 def write_result(result: dict, out: pathlib.Path) -> pathlib.Path:
@@ -357,10 +353,6 @@ def _main(args) -> int:
           f"{args.iterations} iterations per configuration; {os.cpu_count()} CPUs, load {load_start[0]:.1f}",
           flush=True)
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)  # so the finally blocks stop every daemon
     base = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="skippipe-nat-"))
     results: Dict[str, dict] = {}
     ok = False
@@ -369,7 +361,6 @@ def _main(args) -> int:
             results[name] = run_config(args, name, natted, lab_name, subnet, pathlib.Path(base))
         ok = True
     finally:
-        signal.signal(signal.SIGTERM, previous)
         if args.workdir is None:
             if ok:
                 shutil.rmtree(base, ignore_errors=True)

@@ -46,12 +46,18 @@ import os
 import pathlib
 import platform
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
+
+try:
+    from node.ops.bench_cli import BenchError, run_bench
+except ImportError as _e:  # not the project's venv: one line, not a traceback
+    print(f"error: cannot import the node package ({_e}); run with the project's venv: "
+          ".venv/bin/python bench/stragglers.py (bash scripts/setup.sh creates it)", file=sys.stderr)
+    sys.exit(2)
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS_DIR = _ROOT / "bench" / "results"
@@ -94,10 +100,6 @@ MAX_HISTORY = 10_000
 #: Seconds an iteration may take before a daemon stops as stalled: a 4x slow replica on a loaded box with the
 #: cost-model deadlines only can take a minute or more per iteration.
 ITERATION_TIMEOUT_S = 240.0
-
-
-class BenchError(Exception):
-    """A failure reported as one ``error:`` line (no traceback)."""
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
@@ -343,14 +345,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return _main(args)
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted (every daemon was stopped)", file=sys.stderr)
-        return 130
+    return run_bench(lambda: _main(args), "every daemon was stopped")
 
 
 def _main(args) -> int:
@@ -372,10 +367,6 @@ def _main(args) -> int:
         f"{f} ({' '.join(a)})" if a else f"{f} (no switch in this node run: stays on)" for f, a in switches.items()),
         flush=True)
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)  # so the finally blocks stop every daemon
     base = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="skippipe-stragglers-"))
     results: Dict[str, dict] = {}
     ok = False
@@ -384,7 +375,6 @@ def _main(args) -> int:
             results[name] = run_config(args, name, slow, features, switches, pathlib.Path(base))
         ok = True
     finally:
-        signal.signal(signal.SIGTERM, previous)
         if args.workdir is None:
             if ok:
                 shutil.rmtree(base, ignore_errors=True)
