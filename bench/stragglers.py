@@ -226,7 +226,10 @@ def run_config(args, name: str, slow: bool, features: bool, switches, base: path
                                run_id=f"stragglers-{name}".replace("_", "-"), checkpoint_every=0,
                                iteration_timeout=ITERATION_TIMEOUT_S, agreement_timeout=float(args.start_timeout),
                                deadlines=deadlines)
-    flag_switches = [] if features else [a for f, a in switches.items() if a is not None and f != "observed deadlines"]
+    if features:  # node run plans with the start-up benchmark unless asked: the features-on runs ask
+        flag_switches = [("--replan", "on")] if switches["re-planning"] is not None else []
+    else:
+        flag_switches = [a for f, a in switches.items() if a is not None and f != "observed deadlines"]
 
     def node_args(i: int) -> List[str]:
         compute = args.compute_s * (args.slowdown if slow and i == args.slow_node else 1.0)

@@ -61,10 +61,11 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule-budget", type=float_range(0, 3600.0, lo_open=True), default=None, metavar="S",
                    help="safety cap in seconds on the coordinator's path search per epoch (default 15; the search "
                         "stops on a work budget first)")
-    p.add_argument("--replan", choices=["on", "off"], default="on",
+    p.add_argument("--replan", choices=["on", "off"], default="off",
                    help="as coordinator, plan with the compute speed members measure while training and re-plan "
-                        "when it moves (a slow replica gets fewer microbatches): on (default), or off (the "
-                        "start-up benchmark only; the control of bench/stragglers.py)")
+                        "when it moves (a slow replica gets fewer microbatches): on, or off (default: the start-up "
+                        "benchmark only). Off by default because daemons sharing one host measure each other's "
+                        "CPU contention, not their own speed (docs/operations.md)")
     p.add_argument("--replan-interval", type=float_range(0, MAX_DURATION_S), default=None, metavar="S",
                    help=f"seconds an epoch runs at least before a re-plan replaces it (default "
                         f"{ReplanPolicy().min_interval_s:g})")
@@ -237,7 +238,7 @@ def config_from_args(args: argparse.Namespace, spec: TrainSpec | None = None) ->
 
 def replan_policy(args: argparse.Namespace) -> ReplanPolicy:
     """``--replan`` and ``--replan-interval`` as the coordinator's policy (commands without them: the default)."""
-    policy = ReplanPolicy(enabled=getattr(args, "replan", "on") == "on")
+    policy = ReplanPolicy(enabled=getattr(args, "replan", "off") == "on")
     interval = getattr(args, "replan_interval", None)
     return dataclasses.replace(policy, min_interval_s=float(interval)) if interval is not None else policy
 

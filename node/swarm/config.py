@@ -116,7 +116,7 @@ class DaemonConfig:
     #: only bounds a pathological case (a 20-node search takes ~1 s of CPU) and is logged when hit.
     schedule_budget_s: float = 15.0
     #: When the coordinator re-plans for the members' measured compute speeds (:mod:`node.swarm.replan`).
-    replan: ReplanPolicy = ReplanPolicy()
+    replan: ReplanPolicy = ReplanPolicy(enabled=False)
 
     @property
     def advert_ttl_s(self) -> float:

@@ -38,7 +38,8 @@ def test_a_replica_measured_slow_gets_fewer_microbatches_at_the_next_epoch(tmp_p
     def args(i):
         compute = COMPUTE_S * (SLOWDOWN if i == SLOW else 1.0)
         return train_args(ITERATIONS, 3, "--node-name", f"node{i}", "--compute-s-per-sample-per-layer",
-                          repr(compute)) + ["--microbatches", str(MICROBATCHES), "--replan-interval", "0"]
+                          repr(compute)) + ["--microbatches", str(MICROBATCHES), "--replan", "on",
+                                                   "--replan-interval", "0"]
 
     swarm = ProcessSwarm(3, [1, 2], base_dir=tmp_path / "swarm", run_id="replan", heartbeat_s=1.0, extra_args=args)
     try:

@@ -124,5 +124,6 @@ def test_node_run_flags_reach_the_coordinator_policy():
         add_training_arguments(p)
         return config_from_args(p.parse_args(list(argv)))
 
-    assert config().replan == ReplanPolicy()
+    assert config().replan == ReplanPolicy(enabled=False)  # off unless asked (co-located daemons: noise)
+    assert config("--replan", "on").replan == ReplanPolicy()
     assert config("--replan", "off", "--replan-interval", "5").replan == ReplanPolicy(enabled=False, min_interval_s=5.0)
