@@ -305,10 +305,13 @@ class Coordinator:
 
     def member_compute(self, entries: dict[str, PeerEntry], members: tuple[str, ...]) -> list[float]:
         """Per member, the compute speed to plan with: measured while training where advertised (see
-        :func:`node.swarm.replan.planning_compute`), the start-up benchmark with re-planning off."""
+        :func:`node.swarm.replan.planning_compute`), the start-up benchmark with re-planning off. A data node's
+        measurement is not used: its stage-0 steps (embedding, head, loss) per "layer" are on another scale than
+        the transformer layers the others time (it read as a 2.5-56x change between two checks), and its
+        microbatches are its own data, which no plan can hand to another node."""
         adverts = [entries[p].advert for p in members]
-        return planning_compute([a.compute_s_per_sample_per_layer for a in adverts],
-                                [a.measured_compute_s_per_sample_per_layer for a in adverts], self.replan.enabled)
+        measured = [None if 0 in a.stages else a.measured_compute_s_per_sample_per_layer for a in adverts]
+        return planning_compute([a.compute_s_per_sample_per_layer for a in adverts], measured, self.replan.enabled)
 
     def _replan_due(self, online: list[PeerEntry]) -> str | None:
         """Why the current epoch's members should get a new schedule for their measured speeds, or None.
