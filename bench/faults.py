@@ -54,7 +54,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import platform
 import shutil
 import signal
 import statistics
@@ -64,7 +63,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 try:
-    from node.ops.bench_cli import BenchError, run_bench
+    from node.ops.bench_cli import BenchError, run_bench, run_record
 except ImportError as _e:  # not the project's venv: one line, not a traceback
     print(f"error: cannot import the node package ({_e}); run with the project's venv: "
           ".venv/bin/python bench/faults.py (bash scripts/setup.sh creates it)", file=sys.stderr)
@@ -677,12 +676,7 @@ def _main(args) -> int:
     if not args.swarm:
         return 0
     result = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "date": started,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
-                    "note": "shared with other users' tests; all daemons on these cores, loopback"},
-        "setting": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+        **run_record(args, started, load_start, "shared with other users' tests; all daemons on these cores, loopback"),
         "iteration_time": "data node 0's IterationStats.seconds (wall time per iteration, step included)",
         **swarm_res,
         "omission": None if omission is None else {

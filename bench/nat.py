@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import shutil
 import statistics
 import sys
@@ -58,7 +57,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 try:
-    from node.ops.bench_cli import BenchError, run_bench
+    from node.ops.bench_cli import BenchError, run_bench, run_record
 except ImportError as _e:  # not the project's venv: one line, not a traceback
     print(f"error: cannot import the node package ({_e}); run with the project's venv: "
           ".venv/bin/python bench/nat.py (bash scripts/setup.sh creates it)", file=sys.stderr)
@@ -367,12 +366,7 @@ def _main(args) -> int:
             else:
                 print(f"  daemon logs kept in {base}", file=sys.stderr, flush=True)
     meta = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "date": started,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
-                    "note": "all daemons on these cores, each in its own network namespace"},
-        "setting": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+        **run_record(args, started, load_start, "all daemons on these cores, each in its own network namespace"),
         "tokens_per_s": "data node 0's IterationStats.tokens (both data nodes) over the sum of its seconds",
         "online_s": "seconds from a joiner's spawn until the founder's view shows it ONLINE",
     }

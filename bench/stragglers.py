@@ -44,7 +44,6 @@ import json
 import math
 import os
 import pathlib
-import platform
 import shutil
 import statistics
 import sys
@@ -53,7 +52,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 try:
-    from node.ops.bench_cli import BenchError, run_bench
+    from node.ops.bench_cli import BenchError, run_bench, run_record
 except ImportError as _e:  # not the project's venv: one line, not a traceback
     print(f"error: cannot import the node package ({_e}); run with the project's venv: "
           ".venv/bin/python bench/stragglers.py (bash scripts/setup.sh creates it)", file=sys.stderr)
@@ -392,12 +391,7 @@ def _main(args) -> int:
           f"(target <= {TARGET_RATIO}: {'met' if slow_ratio <= TARGET_RATIO else 'NOT met'}); features off: "
           f"{off_ratio:.2f}")
     result = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "date": started,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
-                    "note": "all daemons on these cores, loopback"},
-        "setting": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+        **run_record(args, started, load_start, "all daemons on these cores, loopback"),
         "iteration_time": "data node 0's IterationStats.seconds (wall time per iteration, step included)",
         "slow_replica_ratio": slow_ratio, "features_off_ratio": off_ratio, "target_ratio": TARGET_RATIO,
         "feature_off_switches": {f: list(a) if a else None for f, a in switches.items()},

@@ -9,11 +9,15 @@ and restores the SIGTERM handler it found.
 
 from __future__ import annotations
 
+import argparse
+import os
+import pathlib
+import platform
 import signal
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
-__all__ = ["BenchError", "run_bench"]
+__all__ = ["BenchError", "run_bench", "run_record"]
 
 
 class BenchError(Exception):
@@ -38,3 +42,16 @@ def run_bench(body: Callable[[], int], cleaned_up: str = "every daemon was stopp
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_record(args: argparse.Namespace, started: str, load_start: Sequence[float], note: str) -> dict:
+    """The part of a bench's result file that says how it was run: the command, when, on what machine (load at
+    start and now, ``note`` on where the daemons ran) and every setting (paths as text), so a figure read
+    later can be judged by the conditions it was measured under."""
+    return {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": started,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_avg_start": list(load_start), "load_avg_end": list(os.getloadavg()), "note": note},
+        "setting": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+    }
