@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.eval.benches import load_bench
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "convergence.py"
 
@@ -44,13 +46,7 @@ def test_bad_jobs_is_one_error_line(tmp_path):
 
 def _bench_module():
     """bench/convergence.py as a module (bench/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convergence_bench_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("convergence")
 
 
 def test_loss_at_iteration_interpolates_between_evaluations():

@@ -1,23 +1,15 @@
 """bench/nat.py: its flags, the summary of a history, the start-up comparison and the result it writes
 (pure units on canned data; the bench itself makes namespaces and starts daemons and is not run here)."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "nat.py"
+from tests.eval.benches import load_bench
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("nat_bench_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("nat")
 
 
 def test_quick_and_default_iterations():

@@ -2,22 +2,14 @@
 (pure units on canned data; the bench itself starts daemons and is not run here)."""
 
 import argparse
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "stragglers.py"
+from tests.eval.benches import load_bench
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("stragglers_bench_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("stragglers")
 
 
 def test_quick_and_default_iterations():

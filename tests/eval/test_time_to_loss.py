@@ -1,6 +1,5 @@
 """bench/time_to_loss.py: time to a loss on interpolated curves, and the json of a tiny live run."""
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -8,16 +7,14 @@ import sys
 
 import pytest
 
+from tests.eval.benches import load_bench
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "time_to_loss.py"
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("time_to_loss_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("time_to_loss")
 
 
 def test_time_to_reach_interpolates_and_says_never():
