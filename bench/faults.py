@@ -54,16 +54,14 @@ import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
 try:
-    from node.ops.bench_cli import BenchError, run_bench, run_record
+    from node.ops.bench_cli import BenchError, run_bench, run_record, bench_workdir
 except ImportError as _e:  # not the project's venv: one line, not a traceback
     print(f"error: cannot import the node package ({_e}); run with the project's venv: "
           ".venv/bin/python bench/faults.py (bash scripts/setup.sh creates it)", file=sys.stderr)
@@ -649,17 +647,8 @@ def _main(args) -> int:
     if args.swarm:
         print(f"  kill plan (non-data nodes, cumulative {', '.join(f'{f:.0%}' for f in args.lose)}): {plan}", flush=True)
 
-        base = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="skippipe-faults-"))
-        ok = False
-        try:
-            swarm_res = run_swarm(args, pathlib.Path(base))
-            ok = True
-        finally:
-            if args.workdir is None:
-                if ok:
-                    shutil.rmtree(base, ignore_errors=True)
-                else:
-                    print(f"  daemon logs kept in {base}", file=sys.stderr, flush=True)
+        with bench_workdir(args.workdir, "skippipe-faults-") as base:
+            swarm_res = run_swarm(args, base)
         print()
         print(format_report(swarm_res))
     if args.omission_rerun:

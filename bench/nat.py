@@ -45,10 +45,8 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -57,7 +55,8 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 try:
-    from node.ops.bench_cli import BenchError, run_bench, run_record
+    from node.ops.bench_cli import (BenchError, add_swarm_run_arguments, bench_workdir, resolve_run_length, run_bench,
+                                    run_record)
 except ImportError as _e:  # not the project's venv: one line, not a traceback
     print(f"error: cannot import the node package ({_e}); run with the project's venv: "
           ".venv/bin/python bench/nat.py (bash scripts/setup.sh creates it)", file=sys.stderr)
@@ -303,20 +302,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 warm-up and 3 measured iterations each")
     p.add_argument("--rate-mbit", type=float, default=None,
                    help="every host's uplink cap in Mbit/s (default: the NAT tests' rate)")
-    p.add_argument("--start-timeout", type=float, default=480.0,
-                   help="seconds for the daemons to come up and train their first iteration (default %(default)s)")
-    p.add_argument("--stall-timeout", type=float, default=300.0,
-                   help="seconds without a committed iteration before a configuration is given up (default %(default)s)")
-    p.add_argument("--workdir", type=pathlib.Path, default=None,
-                   help="keep the daemons' folders (logs) here; default a temporary folder, kept only on failure")
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
+    add_swarm_run_arguments(p, RESULTS_DIR)
     args = p.parse_args(argv)
-    if args.iterations is None:
-        args.iterations = 3 if args.quick else 20
-    if args.warmup is None:
-        args.warmup = 1 if args.quick else 2
-    if args.iterations < 1 or args.warmup < 0:
-        p.error("--iterations must be >= 1 and --warmup >= 0")
+    resolve_run_length(p, args, iterations=20, warmup=2)
     if args.rate_mbit is not None and not args.rate_mbit > 0:
         p.error("--rate-mbit must be > 0")
     return args
@@ -352,19 +340,10 @@ def _main(args) -> int:
           f"{args.iterations} iterations per configuration; {os.cpu_count()} CPUs, load {load_start[0]:.1f}",
           flush=True)
 
-    base = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="skippipe-nat-"))
     results: Dict[str, dict] = {}
-    ok = False
-    try:
+    with bench_workdir(args.workdir, "skippipe-nat-") as base:
         for name, natted, lab_name, subnet in CONFIGS:
-            results[name] = run_config(args, name, natted, lab_name, subnet, pathlib.Path(base))
-        ok = True
-    finally:
-        if args.workdir is None:
-            if ok:
-                shutil.rmtree(base, ignore_errors=True)
-            else:
-                print(f"  daemon logs kept in {base}", file=sys.stderr, flush=True)
+            results[name] = run_config(args, name, natted, lab_name, subnet, base)
     meta = {
         **run_record(args, started, load_start, "all daemons on these cores, each in its own network namespace"),
         "tokens_per_s": "data node 0's IterationStats.tokens (both data nodes) over the sum of its seconds",

@@ -44,15 +44,14 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 try:
-    from node.ops.bench_cli import BenchError, run_bench, run_record
+    from node.ops.bench_cli import (BenchError, add_swarm_run_arguments, bench_workdir, resolve_run_length, run_bench,
+                                    run_record)
 except ImportError as _e:  # not the project's venv: one line, not a traceback
     print(f"error: cannot import the node package ({_e}); run with the project's venv: "
           ".venv/bin/python bench/stragglers.py (bash scripts/setup.sh creates it)", file=sys.stderr)
@@ -326,20 +325,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the slow replica computes this many times slower (default %(default)s)")
     p.add_argument("--slow-stage", type=int, default=1,
                    help="the slow replica is the last replica of this stage (default %(default)s)")
-    p.add_argument("--start-timeout", type=float, default=480.0,
-                   help="seconds for the daemons to come up and train their first iteration (default %(default)s)")
-    p.add_argument("--stall-timeout", type=float, default=300.0,
-                   help="seconds without a committed iteration before a configuration is given up (default %(default)s)")
-    p.add_argument("--workdir", type=pathlib.Path, default=None,
-                   help="keep the daemons' folders (logs) here; default a temporary folder, kept only on failure")
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
+    add_swarm_run_arguments(p, RESULTS_DIR)
     args = p.parse_args(argv)
-    if args.iterations is None:
-        args.iterations = 3 if args.quick else 30
-    if args.warmup is None:
-        args.warmup = 1 if args.quick else 6
-    if args.iterations < 1 or args.warmup < 0:
-        p.error("--iterations must be >= 1 and --warmup >= 0")
+    resolve_run_length(p, args, iterations=30, warmup=6)
     if not args.compute_s > 0 or not args.slowdown >= 1:
         p.error("--compute-s must be > 0 and --slowdown >= 1")
     return args
@@ -369,19 +357,10 @@ def _main(args) -> int:
         f"{f} ({' '.join(a)})" if a else f"{f} (no switch in this node run: stays on)" for f, a in switches.items()),
         flush=True)
 
-    base = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="skippipe-stragglers-"))
     results: Dict[str, dict] = {}
-    ok = False
-    try:
+    with bench_workdir(args.workdir, "skippipe-stragglers-") as base:
         for name, slow, features in CONFIGS:
-            results[name] = run_config(args, name, slow, features, switches, pathlib.Path(base))
-        ok = True
-    finally:
-        if args.workdir is None:
-            if ok:
-                shutil.rmtree(base, ignore_errors=True)
-            else:
-                print(f"  daemon logs kept in {base}", file=sys.stderr, flush=True)
+            results[name] = run_config(args, name, slow, features, switches, base)
     slow_ratio, off_ratio = ratio(results, "slow_replica"), ratio(results, "slow_replica_features_off")
     print()
     print(format_table(results))

@@ -51,3 +51,40 @@ def test_the_run_record_says_how_a_figure_was_measured(tmp_path):
     assert record["machine"]["load_avg_start"] == [1.5, 1.0, 0.5] and record["machine"]["note"] == "loopback"
     assert record["setting"] == {"iterations": 3, "workdir": str(tmp_path), "quick": False}
     json.dumps(record)  # goes into the result file as it is
+
+
+def test_a_temporary_workdir_goes_on_success_and_stays_with_a_line_on_failure(tmp_path, capsys):
+    import pytest
+
+    from node.ops.bench_cli import bench_workdir
+
+    with bench_workdir(None, "skippipe-test-") as base:
+        (base / "node0").mkdir()
+    assert not base.exists()
+    with pytest.raises(RuntimeError):
+        with bench_workdir(None, "skippipe-test-") as kept:
+            raise RuntimeError("a daemon died")
+    assert kept.exists() and f"daemon logs kept in {kept}" in capsys.readouterr().err
+    kept.rmdir()
+    with bench_workdir(tmp_path / "given", "skippipe-test-") as given:
+        given.mkdir()
+    assert given.exists()  # a folder the user named is theirs
+
+
+def test_run_length_defaults_quick_and_bounds():
+    import argparse
+
+    import pytest
+
+    from node.ops.bench_cli import resolve_run_length
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--iterations", type=int)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--quick", action="store_true")
+    for argv, want in (([], (20, 2)), (["--quick"], (3, 1)), (["--quick", "--iterations", "5"], (5, 1))):
+        args = p.parse_args(argv)
+        resolve_run_length(p, args, iterations=20, warmup=2)
+        assert (args.iterations, args.warmup) == want
+    with pytest.raises(SystemExit):
+        resolve_run_length(p, p.parse_args(["--iterations", "0"]), iterations=20, warmup=2)
