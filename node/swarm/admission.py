@@ -15,6 +15,20 @@ peer nobody can reach stalls every iteration routed through it. So a live advert
   then continued) is refused until it has left its old run; it then enters as a joiner, which takes
   its stage's state from the replicas and checks it against them (``fetch_verified_state``) before it
   trains its first iteration;
+* once a schedule epoch trains, it **proves it holds its stage**: the challenge names the one stage its
+  advert holds, and the candidate runs that stage on a probe input derived from the nonce and answers a
+  short sketch of the output (:mod:`node.dataplane.probe`); a live replica of the stage (this node when it
+  holds the stage, else one replica of the adopted epoch asked by the ``stage_probe`` RPC) computes the
+  same on its current weights, and the two must agree within :data:`node.dataplane.probe.PROBE_TOLERANCE`
+  (a joiner a dozen steps behind passes, re-initialised or zeroed weights do not; the figures are in that
+  module). So a joiner takes its stage's verified state *before* an epoch names it
+  (:mod:`node.train.proof`), and the replicas' state servers serve candidates, not only members. With no
+  live replica answering, the candidate is admitted on its answer's shape (finite, the right length) and
+  this node logs whom it trusted (``trusted_alone`` in its status). A candidate that holds no state yet
+  is asked again after :data:`PROOF_PENDING_RETRY_S`. Why before, and not at the join's download: the
+  probe must be answered by a node that *already* holds the weights, else an epoch names it (and waits
+  for it) on its word; the epoch's own download at its first iteration still follows, since the proof is
+  stale by then. A candidate advertising several stages is not probed (the epoch picks its stage);
 * a peer that was a member and is not in the current epoch (its advert lapsed, it went silent) must
   answer a fresh challenge before an epoch names it again: its earlier answer says nothing about its
   progress now;
@@ -38,9 +52,9 @@ of its time. A node that knows it cannot train (its join found its stage's repli
 for proof a silent member gets. A member left out at the start barrier because it pinned another run
 (:meth:`Admission.leave_out`) is never admitted again by this process.
 
-Not covered: a challenge proves a live daemon behind the identity with the right configuration, not
-that it will compute honestly; many real daemons can still join (at the capped rate), and what a
-bad member sends is checked by the data plane's guards.
+Not covered: a challenge proves a live daemon behind the identity with the right configuration holding
+its stage's weights, not that it will compute honestly; many real daemons that download the state can
+still join (at the capped rate), and what a bad member sends is checked by the data plane's guards.
 """
 
 from __future__ import annotations
@@ -53,13 +67,15 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
-__all__ = ["Admission", "ADMIT_METHOD", "MAX_NEW_MEMBERS_PER_EPOCH", "SILENT_AFTER_S", "new_members_allowed",
+__all__ = ["Admission", "ADMIT_METHOD", "STAGE_PROBE_METHOD", "rpc_over_p2p", "MAX_NEW_MEMBERS_PER_EPOCH", "SILENT_AFTER_S", "new_members_allowed",
            "silent_drop_bound_s"]
 
 logger = logging.getLogger(__name__)
 
 #: The RPC method of the challenge.
 ADMIT_METHOD = "admit"
+#: The RPC method by which a challenger that does not hold a candidate's stage asks a replica for its sketch.
+STAGE_PROBE_METHOD = "stage_probe"
 #: Most peers one epoch adds to a swarm that already has an epoch. Each addition costs the members a
 #: join lead (training planned around the joiner) and a stage download; volunteers arrive a few at a
 #: time, so 4 per epoch (one epoch every few heartbeats) takes them all in within a minute, while a
@@ -108,12 +124,31 @@ DROPPED_RETRY_S = 15.0
 #: Longest back-off of :data:`DROPPED_RETRY_S` (ten minutes: an honest node that failed to join many
 #: times still gets a try every few minutes).
 MAX_DROPPED_RETRY_S = 600.0
+#: Seconds one stage probe (a forward of 1 x a few tokens on the stage) may take on the node that runs it:
+#: it waits for the compute thread's current work (an iteration's forward or backward), which on a loaded
+#: box takes a few seconds at most; within :data:`CHALLENGE_TIMEOUT_S` so the challenge itself can answer.
+STAGE_PROBE_TIMEOUT_S = 4.0
+#: Stage probes this node runs at once (for challengers and for replicas' references): each is a small
+#: forward, but one identity asking many at once must not queue the trainer's compute behind them.
+MAX_CONCURRENT_STAGE_PROBES = 2
+#: Other replicas asked for a reference sketch before a candidate is admitted on its answer's shape alone: a
+#: live replica answers the first ask; two cover one that just left.
+MAX_REFERENCE_ASKS = 2
+#: Largest stage index a probe request may name (a sanity bound: runs have a handful of stages).
+MAX_STAGE_INDEX = 1024
+#: Why a candidate that holds no state of its stage yet (it is still downloading it) is not admitted now.
+PROOF_PENDING = "it holds no verified state of its stage yet"
+#: Seconds before such a candidate is asked again: its download takes a few seconds, and waiting the
+#: full :data:`RETRY_AFTER_S` would add that much to every join; it is a live daemon that answered the
+#: challenge (an advert with nothing behind it still waits the full time).
+PROOF_PENDING_RETRY_S = 3.0
 #: Why a peer that answered ``ready: false`` is refused (and dropped at once as a member).
 NOT_READY = "not ready: it says it cannot train (its stage's replicas disagree)"
 
 
-def challenge_over_p2p(daemon) -> Callable[[str, dict], Awaitable[object]]:
-    """The ``admit`` call of ``daemon`` to a peer, through the addresses of the peer's advert."""
+def rpc_over_p2p(daemon, method: str = ADMIT_METHOD) -> Callable[[str, dict], Awaitable[object]]:
+    """``daemon``'s call of ``method`` (the challenge, or a stage probe reference) to a peer, through the
+    addresses of the peer's advert."""
     from hivemind.p2p import PeerID
 
     from node.net.rpc import call_p2p
@@ -121,10 +156,11 @@ def challenge_over_p2p(daemon) -> Callable[[str, dict], Awaitable[object]]:
     async def call(peer_id: str, params: dict) -> object:
         if not await daemon.ensure_connected(peer_id, timeout=CHALLENGE_TIMEOUT_S):
             raise ConnectionError("unreachable at its advertised addresses")
-        return await call_p2p(daemon.p2p, PeerID.from_base58(peer_id), ADMIT_METHOD, params,
+        return await call_p2p(daemon.p2p, PeerID.from_base58(peer_id), method, params,
                               timeout=CHALLENGE_TIMEOUT_S)
 
     return call
+
 
 
 def new_members_allowed(current_members: Iterable[str] | None) -> int | None:
@@ -157,7 +193,10 @@ class Admission:
     def __init__(self, self_id: str, config_digest: str, call: Callable[[str, dict], Awaitable[object]],
                  stages: Callable[[], tuple], log: logging.LoggerAdapter | logging.Logger = logger,
                  iteration: Callable[[], int | None] = lambda: None, epoch_start: Callable[[], int] = lambda: 0,
-                 ready: Callable[[], bool] = lambda: True, reachable: Callable[[str], bool] = lambda peer: True):
+                 ready: Callable[[], bool] = lambda: True, reachable: Callable[[str], bool] = lambda peer: True,
+                 sketch: Callable[[int, bytes], Awaitable[list | None]] | None = None,
+                 replicas: Callable[[int], list] = lambda stage: [],
+                 ask_replica: Callable[[str, dict], Awaitable[object]] | None = None):
         """``call(peer, params)``: the ``admit`` RPC to ``peer`` (raises on failure); ``iteration()``: the
         iteration this node's trainer last committed, None when it is not training; ``epoch_start()``: the
         first iteration of the current epoch (members are held to our progress only past it); ``ready()``:
@@ -165,11 +204,18 @@ class Admission:
         ``reachable(peer)``: False when no connection between us can exist (both behind NAT, no relay).
         Such a member is not probed: its failed probe would say nothing about whether it is alive (the
         nodes that can reach it probe it), and counting it silent would make this node's trainer wait
-        for a stage replica that is training all along."""
+        for a stage replica that is training all along. ``sketch(stage, nonce)``: this node's stage probe
+        sketch (:mod:`node.dataplane.probe`) of ``stage``, None when it holds no such stage (None: no stage
+        probe at all); ``replicas(stage)``: the peers of the adopted epoch holding ``stage``;
+        ``ask_replica(peer, params)``: the ``stage_probe`` RPC to one of them (raises on failure)."""
         self.self_id, self.config_digest = self_id, config_digest
         self._call, self._stages, self._log = call, stages, log
         self._iteration, self._epoch_start, self._ready = iteration, epoch_start, ready
         self._reachable = reachable
+        self._sketch, self._replicas, self._ask_replica = sketch, replicas, ask_replica
+        self._probe_slots = asyncio.Semaphore(MAX_CONCURRENT_STAGE_PROBES)
+        #: candidate -> the stage it was admitted on its probe's shape alone (no replica to compare with)
+        self.trusted_alone: dict[str, int] = {}
         self._drops: dict[str, int] = {}  # peer -> times dropped as silent or not training
         self._members: set[str] = set()  # the epoch members of the last round
         self.admitted: dict[str, float] = {}  # peer -> when it answered its first challenge
@@ -184,6 +230,8 @@ class Admission:
         #: Challenges answered / failed (status and tests).
         self.answered = 0
         self.failed = 0
+        #: Candidates refused because their stage probe disagreed with a live replica's (status and tests).
+        self.probe_refused = 0
 
     # ------------------------------------------------------------------ verdicts
     def same_config(self, advert) -> bool:
@@ -206,10 +254,43 @@ class Admission:
 
     # ------------------------------------------------------------------ answering
     def answer(self, params: dict) -> dict:
-        """The reply to another node's challenge."""
+        """The reply to another node's challenge (without its stage probe: :meth:`answer_challenge`)."""
         nonce = params.get("nonce") if isinstance(params, dict) else None
         return {"nonce": str(nonce)[:MAX_NONCE_CHARS], "peer_id": self.self_id, "config_digest": self.config_digest,
                 "stages": list(self._stages()), "iteration": self._safe_iteration(), "ready": bool(self._ready())}
+
+    async def answer_challenge(self, params: dict) -> dict:
+        """The ``admit`` RPC: :meth:`answer`, and with ``probe: stage`` this node's stage probe sketch of that
+        stage under the challenge's nonce (None when it holds no such stage)."""
+        reply = self.answer(params)
+        stage = params.get("probe") if isinstance(params, dict) else None
+        if stage is not None:
+            reply["probe"] = await self._own_sketch(stage, params.get("nonce"))
+        return reply
+
+    async def reference(self, params: dict) -> dict:
+        """The ``stage_probe`` RPC: this node's sketch of ``stage`` under ``nonce``, for a challenger that does
+        not hold the stage itself (None when this node holds no such stage)."""
+        if not isinstance(params, dict):
+            raise ValueError("params must be a map")
+        return {"sketch": await self._own_sketch(params.get("stage"), params.get("nonce"))}
+
+    async def _own_sketch(self, stage: object, nonce: object) -> list | None:
+        """This node's sketch of ``stage`` under the hex ``nonce``; None for anything malformed, a stage not
+        held here, or a probe that fails or takes longer than :data:`STAGE_PROBE_TIMEOUT_S`."""
+        raw = _nonce_bytes(nonce)
+        if self._sketch is None or raw is None or isinstance(stage, bool) or not isinstance(stage, int) \
+                or not 0 <= stage < MAX_STAGE_INDEX:
+            return None
+        try:
+            async with self._probe_slots:
+                sketch = await asyncio.wait_for(self._sketch(stage, raw), STAGE_PROBE_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a probe that cannot run answers nothing
+            self._log.debug("stage probe of stage %s failed: %r", stage, e)
+            return None
+        return list(sketch) if sketch is not None else None
 
     def _safe_iteration(self) -> int | None:
         try:
@@ -265,21 +346,24 @@ class Admission:
         probes = sorted((m for m in members if m not in unreachable
                          and now - self._probed_at.get(m, -1e9) >= MEMBER_PROBE_EVERY_S),
                         key=lambda m: self._probed_at.get(m, -1e9))[:MAX_PROBES_PER_ROUND]
-        jobs = [self._admit(p, a) for p, a in asks if p not in self._in_flight]
+        running = bool(members)  # an epoch trains: a candidate proves its stage against the replicas
+        jobs = [self._admit(p, a, running) for p, a in asks if p not in self._in_flight]
         jobs += [self._probe(m) for m in probes if m not in self._in_flight]
         if not jobs:
             return bool(cleared)
         return any(await asyncio.gather(*jobs)) or bool(cleared)
 
-    async def _challenge(self, peer_id: str, member: bool = False) -> str | None:
-        """None when ``peer_id`` answered correctly (and its progress is in step with ours), else why not."""
+    async def _challenge(self, peer_id: str, member: bool = False, stage: int | None = None) -> str | None:
+        """None when ``peer_id`` answered correctly (and its progress is in step with ours, and with ``stage``
+        its stage probe agrees with a live replica's), else why not."""
         ours = self._safe_iteration()
         self._in_flight.add(peer_id)
+        nonce = secrets.token_hex(16)
+        params: dict = {"nonce": nonce} if stage is None else {"nonce": nonce, "probe": stage}
         try:
             async with self._semaphore:
-                nonce = secrets.token_hex(16)
                 try:
-                    reply = await asyncio.wait_for(self._call(peer_id, {"nonce": nonce}), CHALLENGE_TIMEOUT_S)
+                    reply = await asyncio.wait_for(self._call(peer_id, params), CHALLENGE_TIMEOUT_S)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # noqa: BLE001 - unreachable or lying peers are routine here
@@ -290,13 +374,76 @@ class Admission:
             return "wrong answer"
         if reply.get("config_digest") != self.config_digest:
             return "trains another configuration"
-        return self._lag(reply, ours, member)
+        why = self._lag(reply, ours, member)
+        if why is None and stage is not None:
+            why = await self._check_probe(peer_id, stage, nonce, reply.get("probe"))
+        return why
 
-    async def _admit(self, peer_id: str, advert) -> bool:
-        why = await self._challenge(peer_id)
+    def _probed_stage(self, advert, running: bool) -> int | None:
+        """The stage a candidate must prove (see the module docstring), or None."""
+        if self._sketch is None or not running:
+            return None
+        stages = tuple(getattr(advert, "stages", ()) or ())
+        return stages[0] if len(stages) == 1 and isinstance(stages[0], int) else None
+
+    async def _check_probe(self, peer_id: str, stage: int, nonce: str, answer: object) -> str | None:
+        """None when the candidate's stage probe sketch agrees with a live replica's, else why not."""
+        from node.dataplane.probe import PROBE_TOLERANCE, check_sketch, sketches_close
+
+        if answer is None:
+            return PROOF_PENDING
+        theirs = check_sketch(answer)
+        if theirs is None:
+            self.probe_refused += 1
+            return f"its stage {stage} probe answer is malformed or not finite"
+        raw = bytes.fromhex(nonce)
+        ours, whom = await self._reference_sketch(stage, raw, peer_id)
+        if ours is None:
+            if self.trusted_alone.get(peer_id) != stage:
+                self._log.warning("admitting %s on its stage %d probe's shape alone: no live replica of the stage "
+                                  "answered a probe to compare with", peer_id[-8:], stage)
+            self.trusted_alone[peer_id] = stage
+            _bound(self.trusted_alone)
+            return None
+        ok, distance = sketches_close(theirs, ours)
+        if not ok:
+            self.probe_refused += 1
+            return (f"its stage {stage} probe is {distance:.2f} away from {whom[-8:]}'s (tolerance "
+                    f"{PROBE_TOLERANCE}): it does not hold the stage's weights")
+        self.trusted_alone.pop(peer_id, None)
+        return None
+
+    async def _reference_sketch(self, stage: int, nonce: bytes, candidate: str) -> tuple[list | None, str]:
+        """A live replica's sketch of ``stage`` under ``nonce`` and whose it is: ours when we hold the stage, else
+        the first of at most :data:`MAX_REFERENCE_ASKS` other replicas that answers one."""
+        from node.dataplane.probe import check_sketch
+
+        own = await self._own_sketch(stage, nonce.hex())
+        if own is not None:
+            return own, self.self_id
+        if self._ask_replica is None:
+            return None, ""
+        others = [p for p in self._replicas(stage) if p not in (candidate, self.self_id)]
+        for replica in others[:MAX_REFERENCE_ASKS]:
+            try:
+                reply = await asyncio.wait_for(self._ask_replica(replica, {"stage": stage, "nonce": nonce.hex()}),
+                                               CHALLENGE_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - ask the next replica
+                self._log.debug("no stage %d probe reference from %s: %r", stage, replica[-8:], e)
+                continue
+            sketch = check_sketch(reply.get("sketch")) if isinstance(reply, dict) else None
+            if sketch is not None:
+                return sketch, replica
+        return None, ""
+
+    async def _admit(self, peer_id: str, advert, running: bool = False) -> bool:
+        why = await self._challenge(peer_id, stage=self._probed_stage(advert, running))
         if why is not None:
             self.failed += 1
-            self._retry_at[peer_id] = time.monotonic() + RETRY_AFTER_S
+            self._retry_at[peer_id] = time.monotonic() + (PROOF_PENDING_RETRY_S if why == PROOF_PENDING
+                                                          else RETRY_AFTER_S)
             _bound(self._retry_at)
             self._log.debug("not admitting %s: %s", peer_id[-8:], why)
             return False
@@ -339,7 +486,18 @@ class Admission:
     def status(self) -> dict:
         return {"admitted": len(self.admitted), "silent": sorted(p[-8:] for p in self.silent)[:16],
                 "left_out": sorted(p[-8:] for p in self.left_out)[:16], "answered": self.answered,
-                "failed": self.failed}
+                "failed": self.failed, "probe_refused": self.probe_refused,
+                "trusted_alone": sorted(p[-8:] for p in self.trusted_alone)[:16]}
+
+
+def _nonce_bytes(nonce: object) -> bytes | None:
+    """A challenge nonce (hex, at most :data:`MAX_NONCE_CHARS` characters) as bytes, or None."""
+    if not isinstance(nonce, str) or not 0 < len(nonce) <= MAX_NONCE_CHARS:
+        return None
+    try:
+        return bytes.fromhex(nonce)
+    except ValueError:
+        return None
 
 
 def _bound(table: dict) -> None:

@@ -158,12 +158,13 @@ class Daemon:
         #: Set by a training service: the first iteration a new schedule epoch may start at, the iteration it last
         #: committed (None while not training), why this node must not coordinate right now (None: nothing against it),
         #: whether it can train if named (False after a join that found its stage's replicas disagreeing), and its
-        #: compute speed measured while training (None: not yet).
+        #: compute speed measured while training (None: not yet), its stage probe sketch of a stage it holds.
         self.training_progress: Callable[[float], int | None] | None = None
         self.training_iteration: Callable[[], int | None] | None = None
         self.coordination_blocker: Callable[[], str | None] | None = None
         self.training_ready: Callable[[], bool] | None = None
         self.measured_compute: Callable[[], float | None] | None = None
+        self.training_sketch: Callable[[int, bytes], Awaitable[list | None]] | None = None
         self.started_at = time.time()
         self.gossip_access = GossipAccessControl(lambda: self.access, lambda: self.view, self.is_peer_allowed,
                                                  self.metrics, self.log)

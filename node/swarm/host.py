@@ -56,6 +56,7 @@ class SwarmHost(Protocol):
     coordination_blocker: Optional[Callable[[], Optional[str]]]
     training_ready: Optional[Callable[[], bool]]
     measured_compute: Optional[Callable[[], Optional[float]]]
+    training_sketch: Optional[Callable[[int, bytes], Awaitable[Optional[list]]]]
 
     @property
     def current_epoch(self) -> Optional["ScheduleEpoch"]: ...

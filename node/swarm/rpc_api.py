@@ -114,7 +114,7 @@ class RpcSources:
 
 class DaemonRpcApi:
     """``hello``, ``status``, ``swarm``, ``schedule``, ``health``, ``iterations``, ``traffic``, ``admit``,
-    ``/metrics``, ``/``."""
+    ``stage_probe``, ``/metrics``, ``/``."""
 
     def __init__(self, sources: RpcSources):
         self.sources = sources
@@ -124,7 +124,8 @@ class DaemonRpcApi:
         """Serve the methods through ``register_rpc`` (members only in a private swarm) and the routes on ``rpc``."""
         methods = {"hello": self.rpc_hello, "status": self.rpc_status, "swarm": self.rpc_swarm,
                    "schedule": self.rpc_schedule, "health": self.rpc_health, "iterations": self.rpc_iterations,
-                   "traffic": self.rpc_traffic, "admit": self.rpc_admit}
+                   "traffic": self.rpc_traffic, "admit": self.rpc_admit,
+                   "stage_probe": self.rpc_stage_probe}
         for name, method in methods.items():
             register_rpc(name, method)
         rpc.register_http_route("/metrics", self.http_metrics)
@@ -151,7 +152,14 @@ class DaemonRpcApi:
         admission = self.sources.admission()
         if admission is None:
             raise RuntimeError("not started")
-        return admission.answer(params)
+        return await admission.answer_challenge(params)
+
+    async def rpc_stage_probe(self, params: dict) -> dict:
+        """A challenger's reference for a candidate's stage probe (:mod:`node.swarm.admission`): our sketch."""
+        admission = self.sources.admission()
+        if admission is None:
+            raise RuntimeError("not started")
+        return await admission.reference(params)
 
     async def rpc_status(self, params: dict) -> dict:
         return self.sources.status()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from node.swarm.admission import Admission, challenge_over_p2p
-from node.swarm.coordinator import Coordinator
+from node.swarm.admission import STAGE_PROBE_METHOD, Admission, rpc_over_p2p
+from node.swarm.coordinator import Coordinator, epoch_membership
 from node.swarm.membership import MembershipParts
 from node.swarm.rpc_api import DaemonRpcApi, RpcSources
 from protocol.messages import Reachability
@@ -45,11 +45,21 @@ def coordinator_of(daemon: "SwarmHost", on_adopt: Callable[["ScheduleEpoch"], No
 def admission_of(daemon: "SwarmHost") -> Admission:
     """The daemon's admission: challenges over its libp2p host, progress from its training service."""
     return Admission(
-        daemon.peer_id, daemon.config_digest, challenge_over_p2p(daemon), lambda: daemon.stages, daemon.log,
+        daemon.peer_id, daemon.config_digest, rpc_over_p2p(daemon), lambda: daemon.stages, daemon.log,
         iteration=lambda: daemon.training_iteration() if daemon.training_iteration is not None else None,
         epoch_start=lambda: int(daemon.current_epoch.start_iteration) if daemon.current_epoch is not None else 0,
         ready=lambda: daemon.training_ready() if daemon.training_ready is not None else True,
-        reachable=lambda peer: can_connect(daemon, peer))
+        reachable=lambda peer: can_connect(daemon, peer),
+        sketch=lambda stage, nonce: _stage_sketch(daemon, stage, nonce),
+        replicas=lambda stage: [p for p, s in (epoch_membership(daemon.current_epoch) if daemon.current_epoch else ())
+                                if s == stage],
+        ask_replica=rpc_over_p2p(daemon, STAGE_PROBE_METHOD))
+
+
+async def _stage_sketch(daemon: "SwarmHost", stage: int, nonce: bytes):
+    """The training service's stage probe sketch (None without a service, or for a stage it does not hold)."""
+    hook = daemon.training_sketch
+    return await hook(stage, nonce) if hook is not None else None
 
 
 def can_connect(daemon: "SwarmHost", peer_id: str) -> bool:

@@ -67,6 +67,10 @@ class TrainerHost(Protocol):
     metrics: Optional[TrainingMetrics]
     run: Optional[HostRun]
     config: HostConfig
+    #: the stages this node advertises (a single one is proven before an epoch names it: node.train.proof)
+    stages: Sequence[int]
+    #: set by the service: its stage probe sketch of a stage it holds (None for any other)
+    training_sketch: Optional[Callable[[int, bytes], Awaitable[Optional[list]]]]
     #: the coordinator asks this for the iteration a new epoch should start at (None: not training)
     training_progress: Optional[Callable[[float], Optional[int]]]
     #: called with every schedule epoch the host adopts

@@ -32,6 +32,7 @@ from node.train.agreement import RepinEpoch, RunAgreement, training_summary
 from node.train.checkpoint import CheckpointDiskFull
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
+from node.train.proof import StageProof, held_sketch, proof_for
 from node.train.staleness import run_unless_stale
 
 __all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
@@ -88,6 +89,20 @@ def measured_compute(trainer) -> Optional[float]:
     return runtime.meter.estimate() if runtime is not None else None
 
 
+def drain_pointless(daemon, trainer) -> Optional[str]:
+    """Why no epoch without this node will come (so waiting for one while draining is pointless), or None."""
+    view = daemon.view
+    if view is None or trainer is None or trainer.runtime is None:
+        return "no swarm view"
+    me = str(daemon.peer_id)
+    online = [e for e in view.online() if e.peer_id != me]
+    if not any(trainer.stage in e.advert.stages for e in online):
+        return f"no other ONLINE node holds stage {trainer.stage}"
+    if not any(0 in e.advert.stages for e in online):
+        return "no other ONLINE data node to coordinate"
+    return None
+
+
 class TrainerService:
     """Runs a :class:`TrainerNode` inside the daemon; implements its ``DaemonService`` protocol
     (``async start(daemon)``, ``async stop()``)."""
@@ -107,6 +122,7 @@ class TrainerService:
         self.agreement_timeout_s, self.threads = agreement_timeout_s, threads
         self.log = NodeLog(logger, node_name)
         self.trainer = None  # the TrainerNode of the current (or last) epoch
+        self.proof: Optional[StageProof] = None  # this node's stage state while it is a candidate
         self.agreement: Optional[RunAgreement] = None
         self.stop_grace_s = 6.0  # how long stop() lets the current iteration finish after draining
         self.stop_timeout_s = self.drain_timeout_s + self.stop_grace_s  # the daemon waits this long for stop()
@@ -149,6 +165,9 @@ class TrainerService:
                                       agreement_timeout_s=self.agreement_timeout_s, poll_s=self.poll_s,
                                       node_name=self.node_name)
         self.attach(daemon)
+        self.proof = proof_for(self.config, daemon, self.node_name, wanted=lambda: not self._trains())
+        if self.proof is not None:
+            self.proof.start()
         self._task = asyncio.create_task(self._main(daemon), name="trainer-service")
 
     def attach(self, daemon: TrainerHost) -> None:
@@ -162,6 +181,12 @@ class TrainerService:
         daemon.training_ready = self.ready_to_join
         daemon.measured_compute = lambda: measured_compute(self.trainer)
         daemon.on_schedule_epoch.append(self._offer_epoch)
+        # a candidate proves its stage before an epoch names it (node.train.proof, node.swarm.admission)
+        daemon.training_sketch = lambda stage, nonce: held_sketch(stage, nonce, self.trainer, self._trains(),
+                                                                  self.proof, self.config.model.d_model)
+
+    def _trains(self) -> bool:
+        return self.state in (ServiceState.TRAINING, ServiceState.PAUSED) and self.trainer is not None
 
     def switch_iteration(self, lead_s: float = 0.0) -> Optional[int]:
         """For the coordinator: the iteration a new epoch should start at (None before training).
@@ -372,19 +397,6 @@ class TrainerService:
             await self.agreement.say_finished(self.iterations - 1)
         return None
 
-    def _drain_pointless(self) -> Optional[str]:
-        """Why no epoch without us will come (so waiting for one is pointless), or None."""
-        view = self.daemon.view
-        if view is None or self.trainer is None or self.trainer.runtime is None:
-            return "no swarm view"
-        me = str(self.daemon.peer_id)
-        online = [e for e in view.online() if e.peer_id != me]
-        if not any(self.trainer.stage in e.advert.stages for e in online):
-            return f"no other ONLINE node holds stage {self.trainer.stage}"
-        if not any(0 in e.advert.stages for e in online):
-            return "no other ONLINE data node to coordinate"
-        return None
-
     def _emulation(self, daemon: TrainerHost):
         if self.emulation is None:
             return None
@@ -467,7 +479,7 @@ class TrainerService:
                           self.drain_timeout_s)
             deadline = time.monotonic() + self.drain_timeout_s
             while not self._task.done() and time.monotonic() < deadline:
-                reason = self._drain_pointless()
+                reason = drain_pointless(self.daemon, self.trainer)
                 if reason:
                     self.log.info("not draining: %s", reason)
                     break
@@ -486,5 +498,7 @@ class TrainerService:
                     await self._task
         if self.state in (ServiceState.WAITING, ServiceState.AGREEING, ServiceState.TRAINING):
             self.state = ServiceState.STOPPED
+        if self.proof is not None:
+            await self.proof.stop()
         if self.trainer is not None:
             await self.trainer.shutdown()
