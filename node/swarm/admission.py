@@ -28,7 +28,9 @@ peer nobody can reach stalls every iteration routed through it. So a live advert
   is asked again after :data:`PROOF_PENDING_RETRY_S`. Why before, and not at the join's download: the
   probe must be answered by a node that *already* holds the weights, else an epoch names it (and waits
   for it) on its word; the epoch's own download at its first iteration still follows, since the proof is
-  stale by then. A candidate advertising several stages is not probed (the epoch picks its stage);
+  stale by then. A candidate advertising several stages is not probed (the epoch picks its stage).
+  Sketches (in a challenge's answer and by ``stage_probe``) answer members of the adopted epoch only:
+  else a candidate could pass by relaying its challenger's nonce to a replica;
 * a peer that was a member and is not in the current epoch (its advert lapsed, it went silent) must
   answer a fresh challenge before an epoch names it again: its earlier answer says nothing about its
   progress now;
@@ -196,7 +198,8 @@ class Admission:
                  ready: Callable[[], bool] = lambda: True, reachable: Callable[[str], bool] = lambda peer: True,
                  sketch: Callable[[int, bytes], Awaitable[list | None]] | None = None,
                  replicas: Callable[[int], list] = lambda stage: [],
-                 ask_replica: Callable[[str, dict], Awaitable[object]] | None = None):
+                 ask_replica: Callable[[str, dict], Awaitable[object]] | None = None,
+                 is_member: Callable[[str], bool] = lambda peer: True):
         """``call(peer, params)``: the ``admit`` RPC to ``peer`` (raises on failure); ``iteration()``: the
         iteration this node's trainer last committed, None when it is not training; ``epoch_start()``: the
         first iteration of the current epoch (members are held to our progress only past it); ``ready()``:
@@ -207,12 +210,13 @@ class Admission:
         for a stage replica that is training all along. ``sketch(stage, nonce)``: this node's stage probe
         sketch (:mod:`node.dataplane.probe`) of ``stage``, None when it holds no such stage (None: no stage
         probe at all); ``replicas(stage)``: the peers of the adopted epoch holding ``stage``;
-        ``ask_replica(peer, params)``: the ``stage_probe`` RPC to one of them (raises on failure)."""
+        ``ask_replica(peer, params)``: the ``stage_probe`` RPC to one of them (raises on failure);
+        ``is_member(peer)``: whether ``peer`` is a member of the adopted epoch (only members get sketches)."""
         self.self_id, self.config_digest = self_id, config_digest
         self._call, self._stages, self._log = call, stages, log
         self._iteration, self._epoch_start, self._ready = iteration, epoch_start, ready
         self._reachable = reachable
-        self._sketch, self._replicas, self._ask_replica = sketch, replicas, ask_replica
+        self._sketch, self._replicas, self._ask_replica, self._is_member = sketch, replicas, ask_replica, is_member
         self._probe_slots = asyncio.Semaphore(MAX_CONCURRENT_STAGE_PROBES)
         #: candidate -> the stage it was admitted on its probe's shape alone (no replica to compare with)
         self.trusted_alone: dict[str, int] = {}
@@ -265,7 +269,8 @@ class Admission:
         reply = self.answer(params)
         stage = params.get("probe") if isinstance(params, dict) else None
         if stage is not None:
-            reply["probe"] = await self._own_sketch(stage, params.get("nonce"))
+            reply["probe"] = await self._own_sketch(stage, params.get("nonce")) if self._asked_by_member(params) \
+                else None
         return reply
 
     async def reference(self, params: dict) -> dict:
@@ -273,7 +278,18 @@ class Admission:
         not hold the stage itself (None when this node holds no such stage)."""
         if not isinstance(params, dict):
             raise ValueError("params must be a map")
+        if not self._asked_by_member(params):
+            raise PermissionError("stage probes answer members of the current epoch only")
         return {"sketch": await self._own_sketch(params.get("stage"), params.get("nonce"))}
+
+    def _asked_by_member(self, params: dict) -> bool:
+        """Is the libp2p caller a member of the adopted epoch (or the local operator, who has no caller id)?
+        Sketches answer members only: a candidate that could ask a replica (or another candidate) for the
+        sketch under its challenger's nonce would pass the probe by relaying, without holding the stage."""
+        from node.net.rpc import CALLER_PARAM
+
+        caller = params.get(CALLER_PARAM)
+        return caller is None or (isinstance(caller, str) and self._is_member(caller))
 
     async def _own_sketch(self, stage: object, nonce: object) -> list | None:
         """This node's sketch of ``stage`` under the hex ``nonce``; None for anything malformed, a stage not

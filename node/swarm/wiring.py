@@ -53,7 +53,8 @@ def admission_of(daemon: "SwarmHost") -> Admission:
         sketch=lambda stage, nonce: _stage_sketch(daemon, stage, nonce),
         replicas=lambda stage: [p for p, s in (epoch_membership(daemon.current_epoch) if daemon.current_epoch else ())
                                 if s == stage],
-        ask_replica=rpc_over_p2p(daemon, STAGE_PROBE_METHOD))
+        ask_replica=rpc_over_p2p(daemon, STAGE_PROBE_METHOD),
+        is_member=lambda peer: daemon.current_epoch is not None and peer in daemon.current_epoch.members)
 
 
 async def _stage_sketch(daemon: "SwarmHost", stage: int, nonce: bytes):

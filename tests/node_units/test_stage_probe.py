@@ -121,7 +121,7 @@ def _admission(candidate_module, reference_module, cfg, mine=None):
         return sketch_of(mine, nonce) if mine is not None and stage == STAGE else None
 
     return Admission(ME, DIGEST, call, lambda: (0,), sketch=own, replicas=lambda s: [CANDIDATE, REPLICA],
-                     ask_replica=ask)
+                     ask_replica=ask, is_member=lambda peer: peer in (ME, REPLICA))
 
 
 async def _round(a):
@@ -168,3 +168,16 @@ async def test_a_stage_probe_answer_is_bounded_and_off_the_event_loop_for_malfor
         assert (await a.reference(params))["sketch"] is None
     reply = await a.answer_challenge({"nonce": good, "probe": STAGE})
     assert check_sketch(reply["probe"]) is not None and reply["nonce"] == good
+
+
+async def test_sketches_answer_members_only_so_a_candidate_cannot_relay_its_challenge(trained):
+    from node.net.rpc import CALLER_PARAM
+
+    live, _, cfg = trained
+    a = _admission(None, None, cfg, mine=live)
+    nonce = os.urandom(16).hex()
+    with pytest.raises(PermissionError):
+        await a.reference({"stage": STAGE, "nonce": nonce, CALLER_PARAM: CANDIDATE})
+    assert (await a.answer_challenge({"nonce": nonce, "probe": STAGE, CALLER_PARAM: CANDIDATE}))["probe"] is None
+    assert check_sketch((await a.reference({"stage": STAGE, "nonce": nonce, CALLER_PARAM: REPLICA}))["sketch"])
+    assert check_sketch((await a.answer_challenge({"nonce": nonce, "probe": STAGE, CALLER_PARAM: REPLICA}))["probe"])
