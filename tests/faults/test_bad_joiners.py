@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pathlib
 import threading
 import time
 
@@ -38,6 +40,8 @@ OTHER_MODEL = {"layers": 4, "d_model": 32, "heads": 4, "kv_heads": 2, "ffn": 96,
 DIFFERING = ("model.d_model", "model.layers_per_stage", "model.context")
 #: Number of made-up identities the outsider announces.
 FAKES = 30
+#: ``sitecustomize`` that makes one daemon hold wrong weights for its stage as its admission proof.
+WRONG_STAGE_HOOKS = pathlib.Path(__file__).resolve().parent / "wrong_stage"
 
 
 def _other_model(tmp_path):
@@ -310,12 +314,13 @@ def test_thirty_fake_adverts_never_enter_an_epoch_and_training_goes_on(tmp_path)
 
 class Squatter(threading.Thread):
     """A peer that earns its place and then goes silent: a real libp2p host with its own identity that
-    answers admission challenges like a daemon (it computes nothing), until ``silence`` is set; then
-    its host shuts down while its adverts (a :class:`Faker` with its key) stay fresh."""
+    answers admission challenges like a daemon, until ``silence`` is set; then its host shuts down while
+    its adverts (a :class:`Faker` with its key) stay fresh. It trains nothing, but to pass the stage probe
+    it holds stage 1's weights: at each probe it downloads them from ``replica`` (peer id, maddr)."""
 
-    def __init__(self, key_path, digest: str):
+    def __init__(self, key_path, digest: str, replica: tuple = ("", ""), run_id: str = ""):
         super().__init__(daemon=True)
-        self.key_path, self.digest = key_path, digest
+        self.key_path, self.digest, self.replica, self.run_id = key_path, digest, replica, run_id
         self.maddrs: list[str] = []
         self.up, self.silence, self.done = threading.Event(), threading.Event(), threading.Event()
         self.error: BaseException | None = None
@@ -340,12 +345,27 @@ class Squatter(threading.Thread):
         from node.net.identity import load_or_create_identity
         from node.net.rpc import RpcServer
 
+        from node.dataplane.probe import stage_sketch
+        from node.dataplane.state_codec import ExpectedState
+        from node.dataplane.state_transfer import fetch_state
+        from node.train.model import build_stage, model_config
+
         me = load_or_create_identity(self.key_path).peer_id.to_base58()
-        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(self.key_path))
+        p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(self.key_path),
+                               initial_peers=[self.replica[1]])
         rpc = RpcServer()
+        cfg = model_config("tiny", n_stages=2)
+        stage = build_stage(cfg, 1)
 
         async def admit(params: dict) -> dict:
-            return {"nonce": params.get("nonce"), "peer_id": me, "config_digest": self.digest, "stages": [1]}
+            reply = {"nonce": params.get("nonce"), "peer_id": me, "config_digest": self.digest, "stages": [1]}
+            if "probe" in params:  # hold the stage's current weights, as a joiner's proof does
+                _, snap = await fetch_state(p2p, self.run_id, [self.replica[0]], 1, -1, timeout_s=4.0,
+                                            max_state_bytes=ExpectedState.of_module(stage).max_bytes(),
+                                            expected=ExpectedState.of_module(stage))
+                stage.load_state_dict(snap.state["model"])
+                reply["probe"] = stage_sketch(stage, bytes.fromhex(params["nonce"]), cfg.d_model)
+            return reply
 
         rpc.register("admit", admit)
         await rpc.attach_p2p(p2p)
@@ -365,7 +385,7 @@ def test_a_member_that_goes_silent_is_dropped_and_training_goes_on(tmp_path):
     watch = squatter = announcer = None
     try:
         watch, digest = _start_training(swarm)
-        squatter = Squatter(key_path, digest)
+        squatter = Squatter(key_path, digest, (swarm.nodes[1].peer_id, swarm.nodes[1].maddr), swarm.run_id)
         squatter.start()
         assert squatter.up.wait(120) and squatter.error is None, squatter.error
         announcer = Faker(swarm, digest, keys=[load_or_create_identity(key_path).private_key],
@@ -389,3 +409,32 @@ def test_a_member_that_goes_silent_is_dropped_and_training_goes_on(tmp_path):
         swarm.stop()
     assert announcer.error is None, announcer.error
     assert squatter_id[-8:] in status["admission"]["silent"], status["admission"]
+
+
+def test_a_joiner_holding_wrong_weights_for_its_stage_is_never_admitted_an_honest_one_trains(tmp_path):
+    """Membership is earned by holding the stage: a candidate daemon whose proof holds re-initialised weights
+    for stage 1 (``tests/faults/wrong_stage``) fails every stage probe and never enters an epoch, while an
+    honest joiner that arrives after it proves its stage, is admitted and trains."""
+    base = tmp_path / "swarm"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WRONG_STAGE_HOOKS), os.environ.get("PYTHONPATH", "")]),
+               SKIPPIPE_TEST_WRONG_STAGE_IDENTITY=str(base / "node2" / "identity.key"))
+    swarm = ProcessSwarm(2, [1, 1], base_dir=base, run_id="wrong-stage", heartbeat_s=1.0, env=env,
+                         extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}"))
+    watch = None
+    try:
+        watch, _ = _start_training(swarm)
+        wrong = swarm.add_node(stage=1, timeout=240)
+        assert wrong.index == 2
+        honest = swarm.add_node(stage=1, timeout=240)
+        wait_for(swarm, [honest.index], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1)
+                 >= (s.get("start_iteration") or 0), 400, "the honest joiner to train")
+        status = call_http(swarm.nodes[0].rpc_url, "status", {})["admission"]
+        wrong_log = wrong.log_path.read_text(errors="replace")
+    finally:
+        if watch is not None:
+            watch.stop()
+        swarm.stop()
+    assert honest.peer_id in watch.members
+    assert wrong.peer_id not in watch.members, "the candidate with wrong weights entered a schedule epoch"
+    assert "as admission proof" in wrong_log, wrong_log[-3000:]  # it did take the state: its proof is what is wrong
+    assert status["probe_refused"] >= 1 and wrong.peer_id[-8:] not in status["trusted_alone"], status
