@@ -32,8 +32,15 @@ transport authenticated) for the rest.
 Limits (a hostile peer reaches this handler like any other): the request frame is read through
 :func:`node.net.framing.read_frame` (its length is checked before any of the body is read, and
 it must arrive within :data:`REQUEST_TIMEOUT_S`); with ``allow`` (``Daemon.is_peer_allowed``)
-only members are served; at most :data:`MAX_CONCURRENT_SERVES` snapshots are sent at once (each
-is a full copy of the stage's state). The client bounds the answer by its own stage's size
+only peers of the swarm are served (in a keyed swarm: an advert with the key's proof); at most
+:data:`MAX_CONCURRENT_SERVES` snapshots are sent at once (each is a full copy of the stage's state).
+A requester that is no member of the current epoch is an admission candidate taking its stage's state
+as proof (:mod:`node.train.proof`): it is served only after it answered an admission challenge with this
+run's configuration (``vouch``, cached by admission), one candidate at a time
+(:data:`MAX_CANDIDATE_SERVES`, so candidates never hold the slot the members' joins need) and at most once
+per :data:`CANDIDATE_FETCH_EVERY_S` each. This is no weaker than serving members only: in an open swarm
+anyone who answers the challenge becomes a member (and is then served) anyway, in a keyed one the key
+still gates every request. The client bounds the answer by its own stage's size
 (:meth:`~node.dataplane.state_codec.ExpectedState.max_bytes`), never by a constant, and decodes
 it only against the tensor names, shapes and dtypes of its own stage.
 """
@@ -43,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -79,6 +87,15 @@ MAX_CATCH_UP_ROUNDS = 5
 MAX_CONCURRENT_SERVES = 2
 #: One "refused" log line per this many refused requests.
 REFUSED_LOG_EVERY = 100
+#: Snapshots served at once to requesters that are no epoch member (admission candidates taking their stage's
+#: state as proof, :mod:`node.train.proof`): one, so candidates, however many identities they come with,
+#: never take the upload slot the members' joins and re-syncs need.
+MAX_CANDIDATE_SERVES = 1
+#: Seconds between two snapshots served to the same candidate: below its fastest proof refresh
+#: (``node.train.proof.PROOF_REFRESH_S``, 3 s), so an honest candidate is never refused for asking too often.
+CANDIDATE_FETCH_EVERY_S = 2.0
+#: Most candidates whose last download time is remembered (the oldest are forgotten first).
+MAX_CANDIDATES_TRACKED = 1024
 
 
 def state_handler_name(run_id: str) -> str:
@@ -125,9 +142,16 @@ class StateServer:
     """Serves ``snapshot`` on the state stream handler of one node's hivemind ``P2P``."""
 
     def __init__(self, p2p, run_id: str, snapshot: SnapshotFn, wait_timeout_s: float = 120.0,
-                 allow: Optional[Callable[[str], bool]] = None, sketch: Optional[SketchFn] = None):
+                 allow: Optional[Callable[[str], bool]] = None, sketch: Optional[SketchFn] = None,
+                 member: Optional[Callable[[str], bool]] = None,
+                 vouch: Optional[Callable[[str], Awaitable[bool]]] = None):
+        """``member(peer)``: is ``peer`` a member of the current epoch (None: everyone counts as one)? Others are
+        admission candidates: served only once ``await vouch(peer)`` (a challenge with this run's configuration,
+        cached by admission) says so, one at a time, and at most once per :data:`CANDIDATE_FETCH_EVERY_S` each."""
         self.p2p, self.name, self._snapshot, self._sketch = p2p, state_handler_name(run_id), snapshot, sketch
-        self.wait_timeout_s, self._allow = wait_timeout_s, allow
+        self.wait_timeout_s, self._allow, self._member, self._vouch = wait_timeout_s, allow, member, vouch
+        self._candidate_slots = asyncio.Semaphore(MAX_CANDIDATE_SERVES)
+        self._candidate_served: Dict[str, float] = {}  # candidate -> when its last snapshot was started
         self.served = 0
         self.refused = 0  # requests refused: not allowed, oversized, late or malformed
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_SERVES)
@@ -149,7 +173,14 @@ class StateServer:
                 raise ValueError("request is not a map")
             stage, min_it = int(req["stage"]), int(req["min_iteration"])
             nonce = req.get("sketch_nonce")
+            candidate = self._member is not None and not self._member(sender)
+            if candidate and self._vouch is not None and not await self._vouch(sender):
+                self._refuse(sender, "no member, and it answered no admission challenge with this run's configuration")
+                return
             try:
+                if candidate and nonce is None:
+                    await self._serve_candidate(sender, writer, stage, min_it)
+                    return
                 if nonce is not None:
                     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES or self._sketch is None:
                         raise ValueError("bad sketch request")
@@ -178,6 +209,26 @@ class StateServer:
             self._refuse(sender, f"malformed request: {e!r}")
         finally:
             writer.close()
+
+    async def _serve_candidate(self, sender: str, writer, stage: int, min_it: int) -> None:
+        """A snapshot for an admission candidate, within the candidates' own slot and per-requester interval."""
+        now = time.monotonic()
+        if now - self._candidate_served.get(sender, -CANDIDATE_FETCH_EVERY_S) < CANDIDATE_FETCH_EVERY_S:
+            raise ValueError(f"a candidate gets one state download per {CANDIDATE_FETCH_EVERY_S:.0f} s")
+        if self._candidate_slots.locked():
+            raise ValueError("busy serving another candidate")
+        self._candidate_served.pop(sender, None)
+        self._candidate_served[sender] = now
+        while len(self._candidate_served) > MAX_CANDIDATES_TRACKED:
+            self._candidate_served.pop(next(iter(self._candidate_served)))
+        async with self._candidate_slots, self._slots:
+            snap = await asyncio.wait_for(self._snapshot(stage, min_it), self.wait_timeout_s)
+            await write_frame(writer, msgpack.packb({"ok": True, "stage": snap.stage, "iteration": snap.iteration,
+                                                     "checksum": snap.checksum, "digest": snap.digest}))
+            await write_frame(writer, snap.payload)
+        self.served += 1
+        logger.info("served stage %d state at iteration %d to candidate %s (%d bytes)", snap.stage, snap.iteration,
+                    sender[-8:], len(snap.payload))
 
     def _refuse(self, sender: str, why: str) -> None:
         self.refused += 1

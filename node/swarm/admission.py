@@ -136,6 +136,9 @@ MAX_CONCURRENT_STAGE_PROBES = 2
 #: Other replicas asked for a reference sketch before a candidate is admitted on its answer's shape alone: a
 #: live replica answers the first ask; two cover one that just left.
 MAX_REFERENCE_ASKS = 2
+#: Seconds a challenge answered for the state server vouches for a candidate: its proof downloads come
+#: every few seconds while it waits for admission, and each would otherwise cost it a challenge.
+VOUCHED_FOR_S = 300.0
 #: Largest stage index a probe request may name (a sanity bound: runs have a handful of stages).
 MAX_STAGE_INDEX = 1024
 #: Why a candidate that holds no state of its stage yet (it is still downloading it) is not admitted now.
@@ -218,6 +221,8 @@ class Admission:
         self._reachable = reachable
         self._sketch, self._replicas, self._ask_replica, self._is_member = sketch, replicas, ask_replica, is_member
         self._probe_slots = asyncio.Semaphore(MAX_CONCURRENT_STAGE_PROBES)
+        self._vouched: dict[str, float] = {}  # peer -> when it answered a challenge the state server asked for
+        self._vouch_failed: dict[str, float] = {}
         #: candidate -> the stage it was admitted on its probe's shape alone (no replica to compare with)
         self.trusted_alone: dict[str, int] = {}
         self._drops: dict[str, int] = {}  # peer -> times dropped as silent or not training
@@ -453,6 +458,25 @@ class Admission:
             if sketch is not None:
                 return sketch, replica
         return None, ""
+
+    async def vouch(self, peer_id: str) -> bool:
+        """For the state server: did ``peer_id`` (no member) answer a challenge with this run's configuration
+        within :data:`VOUCHED_FOR_S`? Asked now when not (at most once per :data:`RETRY_AFTER_S` after a
+        failure); the stage probe is not part of it, since the state is what the candidate needs to answer one."""
+        now = time.monotonic()
+        if peer_id == self.self_id or peer_id in self.admitted or now - self._vouched.get(peer_id, -math.inf) \
+                < VOUCHED_FOR_S:
+            return True
+        if peer_id in self.left_out or self._vouch_failed.get(peer_id, -math.inf) > now - RETRY_AFTER_S:
+            return False
+        why = await self._challenge(peer_id)
+        table = self._vouched if why is None else self._vouch_failed
+        table.pop(peer_id, None)
+        table[peer_id] = time.monotonic()
+        _bound(table)
+        if why is not None:
+            self._log.info("not serving stage state to %s: %s", peer_id[-8:], why)
+        return why is None
 
     async def _admit(self, peer_id: str, advert, running: bool = False) -> bool:
         why = await self._challenge(peer_id, stage=self._probed_stage(advert, running))

@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, List, Optional, Sequence
 from node.train.common import NodeLog
 from node.dataplane.probe import stage_sketch
 
-__all__ = ["StageProof", "PROOF_REFRESH_S", "PROOF_MAX_LAG_STEPS", "stage_replicas", "proof_for", "held_sketch"]
+__all__ = ["StageAccess", "StageProof", "PROOF_REFRESH_S", "PROOF_MAX_LAG_STEPS", "stage_replicas", "proof_for", "held_sketch"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,3 +170,19 @@ async def held_sketch(stage: int, nonce: bytes, trainer, trains: bool, proof: Op
     if proof is not None and proof.stage == stage:
         return await proof.sketch(nonce)
     return None
+
+
+class StageAccess:
+    """Who may talk to this trainer (``host.is_peer_allowed``, called per stream and frame), plus ``vouch``:
+    whether a non-member passed the host's admission challenge (the state server serves such a candidate its
+    stage's state as proof; :mod:`node.dataplane.state_transfer`). Hosts without admission vouch for nobody."""
+
+    def __init__(self, host):
+        self._host = host
+
+    def __call__(self, peer_id: str) -> bool:
+        return self._host.is_peer_allowed(peer_id)
+
+    async def vouch(self, peer_id: str) -> bool:
+        admission = getattr(self._host, "admission", None)
+        return bool(await admission.vouch(peer_id)) if admission is not None else False

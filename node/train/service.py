@@ -32,7 +32,7 @@ from node.train.agreement import RepinEpoch, RunAgreement, training_summary
 from node.train.checkpoint import CheckpointDiskFull
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.host import TrainerHost
-from node.train.proof import StageProof, held_sketch, proof_for
+from node.train.proof import StageAccess, StageProof, held_sketch, proof_for
 from node.train.staleness import run_unless_stale
 
 __all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
@@ -364,7 +364,7 @@ class TrainerService:
             p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=lambda: pinned, config=self.config,
             node_name=self.node_name, on_iteration=self._on_iteration, emulation=self._emulation(daemon),
             alive=daemon.peer_alive, faults=self.faults, on_kill=_kill_own_process_group,
-            link_estimate=daemon.link_estimate, allow=daemon.is_peer_allowed, metrics=daemon.metrics,
+            link_estimate=daemon.link_estimate, allow=StageAccess(daemon), metrics=daemon.metrics,
             join_at=join_at, verify_epoch=daemon.verify_epoch, fetch_epochs=daemon.fetch_epochs)
         if not first and self._history_before:
             self.trainer.history = list(self._history_before)

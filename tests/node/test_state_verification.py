@@ -266,3 +266,49 @@ def test_signed_claims_count_and_a_forged_claim_naming_an_honest_replica_does_no
     from node.net.records import rejected_counts
 
     assert rejected_counts(dhts[2]).get("not under an owner subkey", 0) >= 1
+
+
+def test_a_candidate_is_served_only_once_vouched_for_and_at_a_bounded_rate():
+    """A requester that is no epoch member (an admission candidate taking its proof state) gets the state only
+    after admission vouches for it, and only once per CANDIDATE_FETCH_EVERY_S; members are served as always."""
+    from node.dataplane import state_transfer as st
+
+    honest = _trained_state()
+    snapshot, sketch = _replica(honest)
+    vouched: set = set()
+    asked: list = []
+
+    async def vouch(peer: str) -> bool:
+        asked.append(peer)
+        return peer in vouched
+
+    async def main():
+        server_p2p = await P2P.create(host_maddrs=LOCAL)
+        member = set()
+        server = StateServer(server_p2p, RUN, snapshot, sketch=sketch, member=lambda p: p in member, vouch=vouch)
+        await server.start()
+        receiver = await P2P.create(host_maddrs=LOCAL, initial_peers=[str(m) for m in await server_p2p.get_visible_maddrs()])
+        me, peers = receiver.peer_id.to_base58(), [server_p2p.peer_id.to_base58()]
+
+        async def fetch():
+            return await fetch_state(receiver, RUN, peers, STAGE, ITERATION, max_state_bytes=64 << 20,
+                                     expected=_receiver_expects())
+        try:
+            with pytest.raises(StateTransferError):
+                await fetch()  # not vouched for: no answer at all
+            vouched.add(me)
+            _, snap = await fetch()
+            with pytest.raises(StateTransferError, match="one state download per"):
+                await fetch()  # again at once: refused
+            member.add(me)
+            _, again = await fetch()  # a member is not limited
+            return snap, again, server.refused
+        finally:
+            await server.close()
+            for h in (receiver, server_p2p):
+                with contextlib.suppress(Exception):
+                    await h.shutdown()
+
+    snap, again, refused = asyncio.run(main())
+    assert _same_weights(snap.state["model"], honest["model"]) and _same_weights(again.state["model"], honest["model"])
+    assert refused == 1 and len(asked) == 3 and st.CANDIDATE_FETCH_EVERY_S > 0

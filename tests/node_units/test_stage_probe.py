@@ -181,3 +181,17 @@ async def test_sketches_answer_members_only_so_a_candidate_cannot_relay_its_chal
     assert (await a.answer_challenge({"nonce": nonce, "probe": STAGE, CALLER_PARAM: CANDIDATE}))["probe"] is None
     assert check_sketch((await a.reference({"stage": STAGE, "nonce": nonce, CALLER_PARAM: REPLICA}))["sketch"])
     assert check_sketch((await a.answer_challenge({"nonce": nonce, "probe": STAGE, CALLER_PARAM: REPLICA}))["probe"])
+
+
+async def test_admission_vouches_for_a_candidate_that_answers_and_caches_both_verdicts(trained):
+    calls = []
+
+    async def call(peer, params):
+        calls.append(peer)
+        assert "probe" not in params  # the state is what it needs to answer one
+        return {"nonce": params["nonce"], "peer_id": peer, "config_digest": DIGEST if peer == CANDIDATE else "x" * 64}
+
+    a = Admission(ME, DIGEST, call, lambda: (0,))
+    assert await a.vouch(CANDIDATE) and await a.vouch(CANDIDATE) and calls == [CANDIDATE]
+    assert not await a.vouch("other") and not await a.vouch("other") and calls == [CANDIDATE, "other"]
+    assert await a.vouch(ME)
