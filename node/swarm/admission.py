@@ -18,8 +18,8 @@ peer nobody can reach stalls every iteration routed through it. So a live advert
 * once a schedule epoch trains, it **proves it holds its stage**: the challenge names the one stage its
   advert holds, and the candidate runs that stage on a probe input derived from the nonce and answers a
   short sketch of the output (:mod:`node.dataplane.probe`); a live replica of the stage (this node when it
-  holds the stage, else one replica of the adopted epoch asked by the ``stage_probe`` RPC) computes the
-  same on its current weights, and the two must agree within :data:`node.dataplane.probe.PROBE_TOLERANCE`
+  holds the stage, else the adopted epoch's replicas, asked by the ``stage_probe`` RPC until one agrees)
+  computes the same on its current weights, and they must agree within :data:`node.dataplane.probe.PROBE_TOLERANCE`
   (a joiner a dozen steps behind passes, re-initialised or zeroed weights do not; the figures are in that
   module). So a joiner takes its stage's verified state *before* an epoch names it
   (:mod:`node.train.proof`), and the replicas' state servers serve candidates, not only members. With no
@@ -133,8 +133,8 @@ STAGE_PROBE_TIMEOUT_S = 4.0
 #: Stage probes this node runs at once (for challengers and for replicas' references): each is a small
 #: forward, but one identity asking many at once must not queue the trainer's compute behind them.
 MAX_CONCURRENT_STAGE_PROBES = 2
-#: Other replicas asked for a reference sketch before a candidate is admitted on its answer's shape alone: a
-#: live replica answers the first ask; two cover one that just left.
+#: Other replicas asked for a reference sketch (until one agrees) before a candidate is refused, or admitted on
+#: its answer's shape alone when none answers: two cover one replica that just left, or one that lies.
 MAX_REFERENCE_ASKS = 2
 #: Seconds a challenge answered for the state server vouches for a candidate: its proof downloads come
 #: every few seconds while it waits for admission, and each would otherwise cost it a challenge.
@@ -408,7 +408,10 @@ class Admission:
         return stages[0] if len(stages) == 1 and isinstance(stages[0], int) else None
 
     async def _check_probe(self, peer_id: str, stage: int, nonce: str, answer: object) -> str | None:
-        """None when the candidate's stage probe sketch agrees with a live replica's, else why not."""
+        """None when the candidate's stage probe sketch agrees with a live replica's, else why not. We are the
+        reference when we hold the stage; else the epoch's other replicas are asked in peer-id order (at most
+        :data:`MAX_REFERENCE_ASKS`) until one agrees: a lying replica can then vouch for a colluder (no worse
+        than the liar itself, a member already) but cannot keep an honest candidate out."""
         from node.dataplane.probe import PROBE_TOLERANCE, check_sketch, sketches_close
 
         if answer is None:
@@ -417,34 +420,36 @@ class Admission:
         if theirs is None:
             self.probe_refused += 1
             return f"its stage {stage} probe answer is malformed or not finite"
-        raw = bytes.fromhex(nonce)
-        ours, whom = await self._reference_sketch(stage, raw, peer_id)
-        if ours is None:
-            if self.trusted_alone.get(peer_id) != stage:
-                self._log.warning("admitting %s on its stage %d probe's shape alone: no live replica of the stage "
-                                  "answered a probe to compare with", peer_id[-8:], stage)
-            self.trusted_alone[peer_id] = stage
-            _bound(self.trusted_alone)
-            return None
-        ok, distance = sketches_close(theirs, ours)
-        if not ok:
+        raw, compared = bytes.fromhex(nonce), []
+        async for whom, ours in self._reference_sketches(stage, raw, peer_id):
+            ok, distance = sketches_close(theirs, ours)
+            if ok:
+                self.trusted_alone.pop(peer_id, None)
+                return None
+            compared.append(f"{distance:.2f} from {whom[-8:]}'s")
+        if compared:
             self.probe_refused += 1
-            return (f"its stage {stage} probe is {distance:.2f} away from {whom[-8:]}'s (tolerance "
-                    f"{PROBE_TOLERANCE}): it does not hold the stage's weights")
-        self.trusted_alone.pop(peer_id, None)
+            return (f"its stage {stage} probe is {', '.join(compared)} (tolerance {PROBE_TOLERANCE}): it does not "
+                    "hold the stage's weights")
+        if self.trusted_alone.get(peer_id) != stage:
+            self._log.warning("admitting %s on its stage %d probe's shape alone: no live replica of the stage "
+                              "answered a probe to compare with", peer_id[-8:], stage)
+        self.trusted_alone[peer_id] = stage
+        _bound(self.trusted_alone)
         return None
 
-    async def _reference_sketch(self, stage: int, nonce: bytes, candidate: str) -> tuple[list | None, str]:
-        """A live replica's sketch of ``stage`` under ``nonce`` and whose it is: ours when we hold the stage, else
-        the first of at most :data:`MAX_REFERENCE_ASKS` other replicas that answers one."""
+    async def _reference_sketches(self, stage: int, nonce: bytes, candidate: str):
+        """``(replica, sketch)`` of live replicas of ``stage`` under ``nonce``: ours alone when we hold the
+        stage, else those of up to :data:`MAX_REFERENCE_ASKS` other replicas that answer (peer-id order)."""
         from node.dataplane.probe import check_sketch
 
         own = await self._own_sketch(stage, nonce.hex())
         if own is not None:
-            return own, self.self_id
+            yield self.self_id, own
+            return
         if self._ask_replica is None:
-            return None, ""
-        others = [p for p in self._replicas(stage) if p not in (candidate, self.self_id)]
+            return
+        others = sorted(p for p in set(self._replicas(stage)) if p not in (candidate, self.self_id))
         for replica in others[:MAX_REFERENCE_ASKS]:
             try:
                 reply = await asyncio.wait_for(self._ask_replica(replica, {"stage": stage, "nonce": nonce.hex()}),
@@ -456,8 +461,7 @@ class Admission:
                 continue
             sketch = check_sketch(reply.get("sketch")) if isinstance(reply, dict) else None
             if sketch is not None:
-                return sketch, replica
-        return None, ""
+                yield replica, sketch
 
     async def vouch(self, peer_id: str) -> bool:
         """For the state server: did ``peer_id`` (no member) answer a challenge with this run's configuration

@@ -195,3 +195,25 @@ async def test_admission_vouches_for_a_candidate_that_answers_and_caches_both_ve
     assert await a.vouch(CANDIDATE) and await a.vouch(CANDIDATE) and calls == [CANDIDATE]
     assert not await a.vouch("other") and not await a.vouch("other") and calls == [CANDIDATE, "other"]
     assert await a.vouch(ME)
+
+
+async def test_one_lying_reference_replica_cannot_keep_an_honest_candidate_out(trained):
+    live, behind, cfg = trained
+    liar, honest = "a-liar", "b-honest"  # the liar sorts first: asked first
+
+    async def call(peer, params):
+        return {"nonce": params["nonce"], "peer_id": peer, "config_digest": DIGEST,
+                "probe": stage_sketch(behind, bytes.fromhex(params["nonce"]), cfg.d_model)}
+
+    async def ask(peer, params):
+        module = build_stage(cfg, STAGE, seed=99) if peer == liar else live
+        return {"sketch": stage_sketch(module, bytes.fromhex(params["nonce"]), cfg.d_model)}
+
+    a = Admission(ME, DIGEST, call, lambda: (0,), sketch=lambda s, n: _none(), replicas=lambda s: [honest, liar],
+                  ask_replica=ask)
+    await a.round([_Entry(CANDIDATE, (STAGE,))], [ME, liar, honest])
+    assert CANDIDATE in a.admitted and a.probe_refused == 0
+
+
+async def _none():
+    return None
