@@ -89,12 +89,12 @@ class StageState:
         # non-members are admission candidates, served as proof once admission vouches for them
         self.server = StateServer(self.p2p, self.cfg.run_id, self._snapshot, allow=allow, sketch=self._sketch,
                                   member=self._member, vouch=getattr(allow, "vouch", None))
+        await self.server.start()
 
     def _member(self, peer: str) -> bool:
         """A member of the epoch this trainer runs, or of the adopted one (a joiner it names downloads before
         this trainer reaches the epoch's first iteration)."""
         return peer in self.epochs.members or peer in getattr(self.epochs.adopted(), "members", ())
-        await self.server.start()
 
     async def join(self, start: int, have_checkpoint: bool) -> None:
         """Mid-run join: take the stage's weights and optimizer state from a live replica (committed
