@@ -34,13 +34,14 @@ Limits (a hostile peer reaches this handler like any other): the request frame i
 it must arrive within :data:`REQUEST_TIMEOUT_S`); with ``allow`` (``Daemon.is_peer_allowed``)
 only peers of the swarm are served (in a keyed swarm: an advert with the key's proof); at most
 :data:`MAX_CONCURRENT_SERVES` snapshots are sent at once (each is a full copy of the stage's state).
-A requester that is no member of the current epoch is an admission candidate taking its stage's state
-as proof (:mod:`node.train.proof`): it is served only after it answered an admission challenge with this
-run's configuration (``vouch``, cached by admission), one candidate at a time
-(:data:`MAX_CANDIDATE_SERVES`, so candidates never hold the slot the members' joins need) and at most once
-per :data:`CANDIDATE_FETCH_EVERY_S` each. This is no weaker than serving members only: in an open swarm
-anyone who answers the challenge becomes a member (and is then served) anyway, in a keyed one the key
-still gates every request. The client bounds the answer by its own stage's size
+A requester that is no member of the current epoch is served one at a time (:data:`MAX_CANDIDATE_SERVES`,
+so non-members never hold the slot the members' joins and re-syncs need). An admission candidate taking its
+stage's state as proof (:mod:`node.train.proof`) is served at most once per :data:`CANDIDATE_FETCH_EVERY_S`
+once it answered an admission challenge with this run's configuration (``vouch``, cached by admission);
+any other (``skippipe export --peer`` in an open swarm) once per :data:`OUTSIDER_FETCH_EVERY_S`. This is no
+weaker than before: in an open swarm anyone could download the state (and anyone who answers the challenge
+becomes a member anyway), now non-members share one slot; in a keyed swarm ``allow`` still gates every
+request. The client bounds the answer by its own stage's size
 (:meth:`~node.dataplane.state_codec.ExpectedState.max_bytes`), never by a constant, and decodes
 it only against the tensor names, shapes and dtypes of its own stage.
 """
@@ -94,6 +95,10 @@ MAX_CANDIDATE_SERVES = 1
 #: Seconds between two snapshots served to the same candidate: below its fastest proof refresh
 #: (``node.train.proof.PROOF_REFRESH_S``, 3 s), so an honest candidate is never refused for asking too often.
 CANDIDATE_FETCH_EVERY_S = 2.0
+#: Seconds between two snapshots served to the same non-member that admission does not vouch for (an
+#: operator's ``skippipe export --peer``, a tool): it shares the candidates' one slot, and one copy per
+#: half minute is plenty for an export (each run of it is a fresh identity anyway).
+OUTSIDER_FETCH_EVERY_S = 30.0
 #: Most candidates whose last download time is remembered (the oldest are forgotten first).
 MAX_CANDIDATES_TRACKED = 1024
 
@@ -174,12 +179,11 @@ class StateServer:
             stage, min_it = int(req["stage"]), int(req["min_iteration"])
             nonce = req.get("sketch_nonce")
             candidate = self._member is not None and not self._member(sender)
-            if candidate and self._vouch is not None and not await self._vouch(sender):
-                self._refuse(sender, "no member, and it answered no admission challenge with this run's configuration")
-                return
             try:
                 if candidate and nonce is None:
-                    await self._serve_candidate(sender, writer, stage, min_it)
+                    vouched = self._vouch is None or await self._vouch(sender)
+                    await self._serve_candidate(sender, writer, stage, min_it,
+                                                CANDIDATE_FETCH_EVERY_S if vouched else OUTSIDER_FETCH_EVERY_S)
                     return
                 if nonce is not None:
                     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES or self._sketch is None:
@@ -210,11 +214,11 @@ class StateServer:
         finally:
             writer.close()
 
-    async def _serve_candidate(self, sender: str, writer, stage: int, min_it: int) -> None:
-        """A snapshot for an admission candidate, within the candidates' own slot and per-requester interval."""
+    async def _serve_candidate(self, sender: str, writer, stage: int, min_it: int, every_s: float) -> None:
+        """A snapshot for a non-member, within the non-members' own slot and at most once per ``every_s`` each."""
         now = time.monotonic()
-        if now - self._candidate_served.get(sender, -CANDIDATE_FETCH_EVERY_S) < CANDIDATE_FETCH_EVERY_S:
-            raise ValueError(f"a candidate gets one state download per {CANDIDATE_FETCH_EVERY_S:.0f} s")
+        if now - self._candidate_served.get(sender, -every_s) < every_s:
+            raise ValueError(f"a non-member gets one state download per {every_s:.0f} s")
         if self._candidate_slots.locked():
             raise ValueError("busy serving another candidate")
         self._candidate_served.pop(sender, None)

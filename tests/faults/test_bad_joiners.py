@@ -1,4 +1,5 @@
-"""Joiners that must not disturb a run: one that trains another model, and thirty that are only adverts.
+"""Joiners that must not disturb a run: one that trains another model, thirty that are only adverts, one that
+does not hold its stage.
 
 Real ``skippipe node run --train`` daemons on 127.0.0.1 (tiny model, one torch thread):
 
@@ -12,7 +13,10 @@ Real ``skippipe node run --train`` daemons on 127.0.0.1 (tiny model, one torch t
 * an outsider announces 30 identities (adverts signed with 30 keys, copying the run's configuration
   digest, but no daemon behind them) to a training swarm: they show ONLINE in the founder's view,
   yet no epoch ever names one of them (they never answer their admission challenge), and training
-  goes on.
+  goes on;
+* a candidate daemon that holds wrong weights for its stage fails its stage probe and never enters an
+  epoch while an honest joiner proves its stage and trains; then, of two replicas of a stage, the one with
+  the lower id lies: its partner refuses to copy it and a new joiner refuses its state.
 
 No timing assertion: each test waits (bounded) for progress, and a hang fails through the timeout.
 """
@@ -40,8 +44,9 @@ OTHER_MODEL = {"layers": 4, "d_model": 32, "heads": 4, "kv_heads": 2, "ffn": 96,
 DIFFERING = ("model.d_model", "model.layers_per_stage", "model.context")
 #: Number of made-up identities the outsider announces.
 FAKES = 30
-#: ``sitecustomize`` that makes one daemon hold wrong weights for its stage as its admission proof.
-WRONG_STAGE_HOOKS = pathlib.Path(__file__).resolve().parent / "wrong_stage"
+#: ``sitecustomize`` that makes one daemon hold wrong weights for its stage as its admission proof, and another
+#: serve wrong stage state.
+EVIL_HOOKS = pathlib.Path(__file__).resolve().parent / "evil_state"
 
 
 def _other_model(tmp_path):
@@ -411,25 +416,56 @@ def test_a_member_that_goes_silent_is_dropped_and_training_goes_on(tmp_path):
     assert squatter_id[-8:] in status["admission"]["silent"], status["admission"]
 
 
-def test_a_joiner_holding_wrong_weights_for_its_stage_is_never_admitted_an_honest_one_trains(tmp_path):
+def test_membership_needs_the_stage_and_a_lying_replica_of_two_moves_no_one(tmp_path):
     """Membership is earned by holding the stage: a candidate daemon whose proof holds re-initialised weights
-    for stage 1 (``tests/faults/wrong_stage``) fails every stage probe and never enters an epoch, while an
-    honest joiner that arrives after it proves its stage, is admitted and trains."""
+    for stage 1 (``tests/faults/evil_state``, ``SKIPPIPE_TEST_WRONG_STAGE_IDENTITY``) fails every stage probe
+    and never enters an epoch, while an honest joiner that arrives after it proves its stage and trains.
+
+    The same swarm then has two stage-1 replicas, and the one with the lower peer id starts to lie (``drift``:
+    its checksum report differs, it serves and vouches for weights 100 learning-rate steps away). Its honest
+    partner sees a tie and tries to copy it, but refuses (beyond the 10-step bound of
+    ``node.train.resync.TIE_MAX_LR_STEPS``), and a new joiner refuses its download (the honest replica
+    disputes it) instead of taking it, so it never enters an epoch."""
+    from node.net.identity import load_or_create_identity
+
     base = tmp_path / "swarm"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WRONG_STAGE_HOOKS), os.environ.get("PYTHONPATH", "")]),
-               SKIPPIPE_TEST_WRONG_STAGE_IDENTITY=str(base / "node2" / "identity.key"))
+    # the founder's stage-1 replica (node 1, the liar later) gets the lower peer id of it and the honest joiner (node 3)
+    ids = sorted((load_or_create_identity(tmp_path / f"id{i}.key"), tmp_path / f"id{i}.key") for i in range(2))
+    ids = sorted(ids, key=lambda pair: pair[0].peer_id.to_base58())
+    for node_index, (_, path) in zip((1, 3), ids):
+        (base / f"node{node_index}").mkdir(parents=True)
+        (base / f"node{node_index}" / "identity.key").write_bytes(path.read_bytes())
+    liar = ids[0][0].peer_id.to_base58()
+    mode = tmp_path / "mode"
+    mode.write_text("honest")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EVIL_HOOKS), os.environ.get("PYTHONPATH", "")]),
+               SKIPPIPE_TEST_WRONG_STAGE_IDENTITY=str(base / "node2" / "identity.key"),
+               SKIPPIPE_TEST_EVIL_IDENTITY=str(base / "node1" / "identity.key"), SKIPPIPE_TEST_EVIL_MODE=str(mode),
+               SKIPPIPE_TEST_EVIL_MARKER=str(tmp_path / "unused"))
     swarm = ProcessSwarm(2, [1, 1], base_dir=base, run_id="wrong-stage", heartbeat_s=1.0, env=env,
                          extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}"))
     watch = None
     try:
         watch, _ = _start_training(swarm)
         wrong = swarm.add_node(stage=1, timeout=240)
-        assert wrong.index == 2
         honest = swarm.add_node(stage=1, timeout=240)
+        assert (wrong.index, honest.index, swarm.nodes[1].peer_id) == (2, 3, liar)
         wait_for(swarm, [honest.index], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1)
                  >= (s.get("start_iteration") or 0), 400, "the honest joiner to train")
         status = call_http(swarm.nodes[0].rpc_url, "status", {})["admission"]
         wrong_log = wrong.log_path.read_text(errors="replace")
+        assert wrong.peer_id not in watch.members, "the candidate with wrong weights entered a schedule epoch"
+        # part two: the lower-id replica of two lies
+        mode.write_text("drift")
+        wait_for(swarm, [honest.index], lambda s: f"not copying replica {liar[-8:]}: its weights are"
+                 in honest.log_path.read_text(errors="replace"), 300, "the honest replica to refuse the liar's state")
+        joiner = swarm.add_node(stage=1, timeout=240)
+        wait_for(swarm, [joiner.index], lambda s: f"from {liar[-8:]} refused: 1 replica(s) hold other weights"
+                 in joiner.log_path.read_text(errors="replace"), 300, "the joiner to refuse the liar's state")
+        after = training_state(swarm.nodes[0], limit=1)["committed_iteration"]
+        wait_for(swarm, [0, honest.index], lambda s: s.get("state") == "training" and s["committed_iteration"]
+                 >= after + 3, 300, "training to go on")
+        honest_log, joiner_log = honest.log_path.read_text(errors="replace"), joiner.log_path.read_text(errors="replace")
     finally:
         if watch is not None:
             watch.stop()
@@ -438,3 +474,7 @@ def test_a_joiner_holding_wrong_weights_for_its_stage_is_never_admitted_an_hones
     assert wrong.peer_id not in watch.members, "the candidate with wrong weights entered a schedule epoch"
     assert "as admission proof" in wrong_log, wrong_log[-3000:]  # it did take the state: its proof is what is wrong
     assert status["probe_refused"] >= 1 and wrong.peer_id[-8:] not in status["trusted_alone"], status
+    # the honest replica never took the liar's weights (no copy under the tie); the joiner took nothing either
+    assert "under a tie" not in honest_log and "re-syncing" in honest_log, honest_log[-3000:]
+    assert "joined stage 1" not in joiner_log and "as admission proof" not in joiner_log, joiner_log[-3000:]
+    assert joiner.peer_id not in watch.members, "a joiner that could verify no state entered a schedule epoch"
