@@ -430,8 +430,8 @@ def test_membership_needs_the_stage_and_a_lying_replica_of_two_moves_no_one(tmp_
 
     base = tmp_path / "swarm"
     # the founder's stage-1 replica (node 1, the liar later) gets the lower peer id of it and the honest joiner (node 3)
-    ids = sorted((load_or_create_identity(tmp_path / f"id{i}.key"), tmp_path / f"id{i}.key") for i in range(2))
-    ids = sorted(ids, key=lambda pair: pair[0].peer_id.to_base58())
+    ids = sorted(((load_or_create_identity(tmp_path / f"id{i}.key"), tmp_path / f"id{i}.key") for i in range(2)),
+                 key=lambda pair: pair[0].peer_id.to_base58())
     for node_index, (_, path) in zip((1, 3), ids):
         (base / f"node{node_index}").mkdir(parents=True)
         (base / f"node{node_index}" / "identity.key").write_bytes(path.read_bytes())
