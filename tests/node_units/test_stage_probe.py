@@ -217,3 +217,42 @@ async def test_one_lying_reference_replica_cannot_keep_an_honest_candidate_out(t
 
 async def _none():
     return None
+
+
+def test_a_candidates_proof_is_downloaded_from_its_stages_replicas_at_the_replicas_pace():
+    from types import SimpleNamespace
+
+    from node.train import proof
+
+    epoch = SimpleNamespace(members=("d", "a", "b", "me"), schedule={"stages": [[0], [1, 2, 3]]})
+    assert proof.stage_replicas(epoch, 1, exclude="me") == ["a", "b"] and proof.stage_replicas(epoch, 5) == []
+    assert proof.stage_replicas(None, 1) == []
+    p = proof.StageProof(SimpleNamespace(), 1, peer_id="me", p2p=None, dht=None, epoch=lambda: epoch)
+    assert p.refresh_after_s() == proof.PROOF_REFRESH_S  # before two downloads: the floor
+    p._pace = 0.5  # steps per second: PROOF_MAX_LAG_STEPS steps take 20 s
+    assert p.refresh_after_s() == proof.PROOF_MAX_LAG_STEPS / 0.5
+    p._pace = 1e-6
+    assert p.refresh_after_s() == proof.MAX_PROOF_REFRESH_S
+    p._pace = 1e6
+    assert p.refresh_after_s() == proof.PROOF_REFRESH_S
+
+
+async def test_the_sketch_comes_from_the_trainer_while_it_trains_else_from_the_proof(trained):
+    from types import SimpleNamespace
+
+    from node.train import proof
+
+    live, behind, cfg = trained
+
+    async def compute(fn):
+        return fn()
+
+    trainer = SimpleNamespace(runtime=SimpleNamespace(stage=STAGE, module=live), pipeline=SimpleNamespace(compute=compute))
+    held = proof.StageProof(SimpleNamespace(model=cfg), STAGE, peer_id="me", p2p=None, dht=None, epoch=lambda: None)
+    held.module = behind
+    nonce = os.urandom(16)
+    want_live, want_behind = stage_sketch(live, nonce, cfg.d_model), stage_sketch(behind, nonce, cfg.d_model)
+    assert await proof.held_sketch(STAGE, nonce, trainer, True, held, cfg.d_model) == want_live
+    assert await proof.held_sketch(STAGE, nonce, trainer, False, held, cfg.d_model) == want_behind
+    assert await proof.held_sketch(STAGE + 1, nonce, trainer, True, held, cfg.d_model) is None
+    assert await proof.held_sketch(STAGE, nonce, None, False, None, cfg.d_model) is None
