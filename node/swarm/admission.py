@@ -69,7 +69,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
-__all__ = ["Admission", "ADMIT_METHOD", "STAGE_PROBE_METHOD", "rpc_over_p2p", "MAX_NEW_MEMBERS_PER_EPOCH", "SILENT_AFTER_S", "new_members_allowed",
+__all__ = ["Admission", "ADMIT_METHOD", "STAGE_PROBE_METHOD", "rpc_over_p2p", "MAX_NEW_MEMBERS_PER_EPOCH",
+           "SILENT_AFTER_S", "new_members_allowed",
            "silent_drop_bound_s"]
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ the run's initial weights, so it first takes its stage's state from the replicas
 checked against the other replicas exactly as a join does (``fetch_verified_state``), and keeps it
 fresh: it downloads again each time the replicas should have trained :data:`PROOF_MAX_LAG_STEPS` steps
 since (at the pace measured between its downloads, at most every :data:`PROOF_REFRESH_S`) while it waits
-to be admitted, because the replicas train on and the probe admits only a few dozen steps of lag. Once a trainer holds the stage
-(it joined), the trainer's own weights answer and the proof is dropped.
+to be admitted, because the replicas train on and the probe admits only a few dozen steps of lag. Once
+a trainer of this node trains the stage, the trainer's own weights answer and the proof is not refreshed.
 
 This costs the replicas one state download per candidate per refresh while it waits; the state servers
 bound that per requester and in total (:mod:`node.dataplane.state_transfer`).
@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from node.train.common import NodeLog
 from node.dataplane.probe import stage_sketch
 
-__all__ = ["StageAccess", "StageProof", "PROOF_REFRESH_S", "PROOF_MAX_LAG_STEPS", "stage_replicas", "proof_for", "held_sketch"]
+__all__ = ["StageAccess", "StageProof", "PROOF_REFRESH_S", "PROOF_MAX_LAG_STEPS", "stage_replicas", "proof_for",
+           "held_sketch"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +145,6 @@ class StageProof:
 
     async def _load(self, module, weights: dict) -> None:
         await asyncio.get_running_loop().run_in_executor(None, module.load_state_dict, weights)
-
-
-#: ``sketch(stage, nonce)``: this node's probe sketch of ``stage``, None when it holds no such stage.
-SketchHook = Callable[[int, bytes], Awaitable[Optional[List[float]]]]
 
 
 def proof_for(cfg, host, node_name: Optional[str], wanted: Callable[[], bool]) -> Optional[StageProof]:
