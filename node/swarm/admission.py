@@ -15,7 +15,8 @@ peer nobody can reach stalls every iteration routed through it. So a live advert
   then continued) is refused until it has left its old run; it then enters as a joiner, which takes
   its stage's state from the replicas and checks it against them (``fetch_verified_state``) before it
   trains its first iteration;
-* once a schedule epoch trains, it **proves it holds its stage**: the challenge names the one stage its
+* while a schedule epoch trains (the challenger's trainer has committed iterations), it **proves it holds
+  its stage**: the challenge names the one stage its
   advert holds, and the candidate runs that stage on a probe input derived from the nonce and answers a
   short sketch of the output (:mod:`node.dataplane.probe`); a live replica of the stage (this node when it
   holds the stage, else the adopted epoch's replicas, asked by the ``stage_probe`` RPC until one agrees)
@@ -368,7 +369,9 @@ class Admission:
         probes = sorted((m for m in members if m not in unreachable
                          and now - self._probed_at.get(m, -1e9) >= MEMBER_PROBE_EVERY_S),
                         key=lambda m: self._probed_at.get(m, -1e9))[:MAX_PROBES_PER_ROUND]
-        running = bool(members)  # an epoch trains: a candidate proves its stage against the replicas
+        # an epoch trains (and so do we): a candidate proves its stage against the replicas; before the start
+        # barrier, and after the run's end, there are no trained weights to prove
+        running = bool(members) and self._safe_iteration() is not None
         jobs = [self._admit(p, a, running) for p, a in asks if p not in self._in_flight]
         jobs += [self._probe(m) for m in probes if m not in self._in_flight]
         if not jobs:

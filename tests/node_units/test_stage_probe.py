@@ -90,6 +90,8 @@ def test_malformed_or_non_finite_sketches_are_refused(answer):
 
 # ---------------------------------------------------------------------------------------------- admission
 CANDIDATE, REPLICA, ME = "cand", "replica", "me"
+#: The iteration the challenger's trainer has committed (probes are asked only while it trains).
+TRAINING_AT = 10
 DIGEST = "d" * 64
 
 
@@ -121,7 +123,7 @@ def _admission(candidate_module, reference_module, cfg, mine=None):
         return sketch_of(mine, nonce) if mine is not None and stage == STAGE else None
 
     return Admission(ME, DIGEST, call, lambda: (0,), sketch=own, replicas=lambda s: [CANDIDATE, REPLICA],
-                     ask_replica=ask, is_member=lambda peer: peer in (ME, REPLICA))
+                     ask_replica=ask, is_member=lambda peer: peer in (ME, REPLICA), iteration=lambda: TRAINING_AT)
 
 
 async def _round(a):
@@ -155,6 +157,10 @@ async def test_a_candidate_without_state_is_asked_again_soon_and_a_lone_one_is_t
     a = _admission(None, None, cfg)
     await a.round([_Entry(CANDIDATE, (STAGE,))], [])
     assert CANDIDATE in a.admitted
+    # ... and so is a late node once the challenger no longer trains (the run ended: nothing to prove)
+    a = _admission(None, None, cfg)
+    a._iteration = lambda: None
+    assert await _round(a)
     assert PROOF_PENDING  # the reason a candidate without state is given
 
 
@@ -210,7 +216,7 @@ async def test_one_lying_reference_replica_cannot_keep_an_honest_candidate_out(t
         return {"sketch": stage_sketch(module, bytes.fromhex(params["nonce"]), cfg.d_model)}
 
     a = Admission(ME, DIGEST, call, lambda: (0,), sketch=lambda s, n: _none(), replicas=lambda s: [honest, liar],
-                  ask_replica=ask)
+                  ask_replica=ask, iteration=lambda: TRAINING_AT)
     await a.round([_Entry(CANDIDATE, (STAGE,))], [ME, liar, honest])
     assert CANDIDATE in a.admitted and a.probe_refused == 0
 
