@@ -279,9 +279,11 @@ class Daemon:
     def link_estimate(self, a: str, b: str) -> tuple[float, float] | None:
         """(one-way latency s, bandwidth B/s) of a measured link, for deadlines; None if unmeasured."""
         stat = self.view.link(a, b) if self.view is not None else None
-        if stat is None:
-            return None
-        return stat.rtt_ms / 2000.0, float(stat.bandwidth_Bps or DEFAULT_BANDWIDTH_Bps)
+        return None if stat is None else (stat.rtt_ms / 2000.0, float(stat.bandwidth_Bps or DEFAULT_BANDWIDTH_Bps))
+
+    def reaches_directly(self, peer_id: str) -> bool:
+        """False when no connection to ``peer_id`` can exist (both behind NAT, no relay: SwarmView.reaches)."""
+        return self.view is None or self.view.reaches(self.reachability.value, peer_id)
 
     def missing_stages(self) -> list[int]:
         """Stages of the run that no live (ONLINE or DRAINING) peer of our view holds."""
@@ -290,12 +292,8 @@ class Daemon:
     def advert(self) -> StageAdvert:
         cfg = self.config
         return StageAdvert(
-            run_id=cfg.run_id,
-            peer_id=self.peer_id,
-            gossip_peer_id=self.gossip.peer_id if self.gossip else "",
-            maddrs=tuple(self.maddrs),
-            gossip_maddrs=tuple(self.gossip_maddrs()),
-            stages=tuple(self.stages),
+            run_id=cfg.run_id, peer_id=self.peer_id, gossip_peer_id=self.gossip.peer_id if self.gossip else "",
+            maddrs=tuple(self.maddrs), gossip_maddrs=tuple(self.gossip_maddrs()), stages=tuple(self.stages),
             state=str(self.state),
             compute_s_per_sample_per_layer=float(self.compute_s_per_sample_per_layer),
             memory_slots=int(cfg.memory_slots),

@@ -338,7 +338,7 @@ class TrainerService:
         self.trainer = TrainerNode(
             p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=lambda: pinned, config=self.config,
             node_name=self.node_name, on_iteration=self._on_iteration, emulation=self._emulation(daemon),
-            alive=daemon.peer_alive, faults=self.faults, on_kill=_kill_own_process_group,
+            alive=daemon.peer_alive, reaches=daemon.reaches_directly, faults=self.faults, on_kill=_kill_own_process_group,
             link_estimate=daemon.link_estimate, allow=daemon.is_peer_allowed, metrics=daemon.metrics,
             join_at=join_at, verify_epoch=daemon.verify_epoch, fetch_epochs=daemon.fetch_epochs)
         if not first and self._history_before:

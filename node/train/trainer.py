@@ -102,7 +102,7 @@ class TrainerNode:
                  alive: Optional[Callable[[str], bool]] = None, faults=None,
                  on_kill: Optional[Callable[[], None]] = None, link_estimate=None,
                  allow: Optional[Callable[[str], bool]] = None, metrics=None, join_at: Optional[int] = None,
-                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None):
+                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None, reaches=None):
         """``alive(peer)``: membership oracle (the daemon's view: advert not expired, not OFFLINE); None =
         every member counts as alive until a send to it fails. ``faults``: optional
         :class:`node.train.faults.FaultInjector`. ``on_kill``: what an injected kill does (default: crash this
@@ -110,7 +110,7 @@ class TrainerNode:
         ``join_at``: join a run in progress at this iteration, downloading the stage's state first.
         ``verify_epoch(epoch)``: signature check of epochs learnt from members' records (None: trust
         members); ``async fetch_epochs()``: the signed epochs stored in the DHT, for a node that fell
-        behind an epoch switch. ``metrics``: a :class:`node.train.host.TrainingMetrics`."""
+        behind an epoch switch. ``metrics``: a :class:`node.train.host.TrainingMetrics`. ``reaches``: see PeerHealth."""
         self.p2p, self.dht, self.peer_id = p2p, dht, str(peer_id)
         self.emulation = emulation  # optional node.dataplane.emulation.Emulation (WAN/compute emulation); None = off
         self.cfg = config
@@ -131,7 +131,7 @@ class TrainerNode:
         self._shutdown_started: Optional[float] = None  # monotonic time shutdown() began: resources go once
         self.left: Optional[str] = None
         self.health = PeerHealth(self.peer_id, alive=alive, self_alive=lambda: not self.killed, ban_s=config.ban_s,
-                                 ban_max_s=config.ban_max_s, metrics=metrics, node_name=self.node_name)
+                                 ban_max_s=config.ban_max_s, metrics=metrics, node_name=self.node_name, reaches=reaches)
         self.epochs = EpochTracker(self.peer_id, config.run_id, epoch, verify=verify_epoch, fetch=fetch_epochs,
                                    node_name=self.node_name)
         self.progress = IterationProgress(lambda: self.epochs.data_node_peers, self.health.is_alive)
