@@ -46,7 +46,7 @@ from node.train.pipeline import MicrobatchPipeline
 from node.train.progress import IterationProgress, LifeView, StageResources, begun_elsewhere
 from node.train.recovery import RouteRecovery
 from node.train.runtime import StageRuntime
-from node.train.screening import on_rejected_frame, screening_summary
+from node.train.screening import FrameRejections, screening_summary
 from node.train.sender import HopSender
 from node.train.state import StageState
 from node.train.timing import deadline_links, measure_forward_s
@@ -136,7 +136,7 @@ class TrainerNode:
                                    node_name=self.node_name)
         self.progress = IterationProgress(lambda: self.epochs.data_node_peers, self.health.is_alive)
         self.sender = HopSender(self.health, killed=lambda: self.killed)
-        life = LifeView(lambda: self.lifecycle, kill=self.kill)
+        self.life = life = LifeView(lambda: self.lifecycle, kill=self.kill)
         # each part gets what it uses; none holds the trainer
         common = dict(peer_id=self.peer_id, node_name=self.node_name, epochs=self.epochs, progress=self.progress)
         self.pipeline = MicrobatchPipeline(
@@ -299,16 +299,14 @@ class TrainerNode:
     async def _start_dataplane(self) -> None:
         from node.dataplane.transport import DataPlane
 
-        kwargs = {}
-        if self._allow is not None:
-            kwargs["allow"] = self._allow
-        if self.metrics is not None:
-            kwargs["metrics"] = self.metrics
+        kwargs = {k: v for k, v in (("allow", self._allow), ("metrics", self.metrics)) if v is not None}
         kwargs["guard"] = microbatch_guard(self.cfg, self.epochs, self.peer_id, self.progress)
+        rejected = FrameRejections(self.cfg, self.peer_id, self.epochs, self.life, self.health, self.resources,
+                                   self.sender, self.recovery)
         self.sender.dataplane = DataPlane(self.p2p, self.cfg.run_id, self.on_message,
                                    emulator=self.emulation.link_emulator if self.emulation is not None else None,
                                    wire=self.cfg.wire,  # the run's codec for hop tensors
-                                   on_rejected=lambda *a: on_rejected_frame(self, *a), **kwargs)
+                                   on_rejected=rejected, **kwargs)
         await self.sender.dataplane.start()
 
     def _make_shard(self) -> None:
