@@ -114,6 +114,14 @@ def measured_compute_of(hook: Callable[[], float | None] | None, log) -> float |
     return float(value)
 
 
+async def _move_stage(daemon: "Daemon", stage: int) -> None:
+    """Hold ``stage`` from now on (an epoch moved this ``--auto`` node there, which is what ``movable`` in its
+    advert allows): advertise it at once."""
+    daemon.stages = (int(stage),)
+    if daemon.membership is not None:
+        await daemon.membership.move_to(daemon.stages)
+
+
 class Daemon:
     """One node of the swarm. Create, ``await start()``, ``await wait_stopped()``, ``await stop()``."""
 
@@ -248,6 +256,7 @@ class Daemon:
             await asyncio.wait_for(self.membership.announce(), timeout=GOODBYE_TIMEOUT_S)
             self.membership.publish_event("leave")
 
+    move_stage = _move_stage  # the trainer's hook: an epoch moved this --auto node to another stage
     def peer_alive(self, peer_id: str) -> bool:
         """Membership as the view sees it: an unexpired advert that does not say OFFLINE."""
         if peer_id == self.peer_id:
@@ -304,7 +313,7 @@ class Daemon:
             rpc_port=self.rpc.http_port,
             location=cfg.location,
             timestamp=time.time(),
-            config_digest=self.config_digest, reachability=self.reachability.value,
+            config_digest=self.config_digest, reachability=self.reachability.value, movable=cfg.stages is None,
             measured_compute_s_per_sample_per_layer=measured_compute_of(self.measured_compute, self.log),
         )
 

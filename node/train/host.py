@@ -89,6 +89,10 @@ class TrainerHost(Protocol):
 
     def is_peer_allowed(self, peer_id: str) -> bool: ...
 
+    async def move_stage(self, stage: int) -> None:
+        """An epoch moved this node to ``stage``: the host advertises that stage from now on."""
+        ...
+
     async def report_failure(self, reason: str) -> None:
         """This member cannot train (e.g. its checkpoint failed verification): the host stops advertising it
         as ONLINE, so no epoch includes it and no replica re-syncs from it, and keeps ``reason`` visible."""
