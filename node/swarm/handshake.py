@@ -122,7 +122,8 @@ async def handshake(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: s
 def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
                   log: logging.LoggerAdapter | logging.Logger = logger) -> tuple[int, ...]:
     """``--stages`` checked against the run, or with ``--auto`` the bottleneck stage (:func:`node.swarm.replan.auto_stage`:
-    by the replicas' measured capacity where they advertise one, else the fewest live replicas)."""
+    with ``--replan on``, by the replicas' measured capacity where they all advertise one; else the fewest live
+    replicas)."""
     if cfg.stages is not None:
         bad = [s for s in cfg.stages if not 0 <= s < run.num_stages]
         if bad:
@@ -140,7 +141,9 @@ def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
                     capacity[s] += 1.0 / measured
                 else:
                     unmeasured.add(s)
-    measured_all = not unmeasured & set(range(1, run.num_stages))
+    # measured speeds only with re-planning on: daemons sharing a host measure each other's contention (the
+    # reason re-planning is off by default), and the coordinator plans with start-up figures then too
+    measured_all = cfg.replan.enabled and not unmeasured & set(range(1, run.num_stages))
     stage = auto_stage(counts, capacity if measured_all else None)
     log.info("--auto picked stage %d (replicas per stage: %s%s)", stage, counts,
              ", measured capacity per stage: " + ", ".join(f"{c:.3g}" for c in capacity) if measured_all else "")

@@ -69,6 +69,24 @@ def test_auto_joiners_go_to_an_empty_stage_then_to_the_least_capacity_then_to_th
     assert auto_stage([1, 1, 2], [1.0, 1.0, 0.0]) == 1  # a stage without a measurement: fewest replicas
 
 
+def test_choose_stages_uses_measured_capacity_only_with_replanning_on(identities):
+    from node.swarm.config import DaemonConfig
+    from node.swarm.handshake import choose_stages
+
+    # stage 1: two replicas at 0.01, stage 2 one at 0.04
+    stages, measured = [(0,), (1,), (1,), (2,)], [0.01, 0.01, 0.01, 0.04]
+    view = _view(identities, measured, stages=stages)
+    run = RunConfig(3, 3, 4)
+    on, off = DaemonConfig(replan=ReplanPolicy()), DaemonConfig(replan=ReplanPolicy(enabled=False))
+    assert choose_stages(off, run, view) == (2,)  # fewest replicas (stage 2: one)
+    assert choose_stages(on, run, view) == (2,)  # and the least capacity (25 vs 200)
+    fast2 = _view(identities, [0.01, 0.04, 0.04, 0.001], stages=stages)  # stage 1: 50; stage 2: 1000
+    assert choose_stages(off, run, fast2) == (2,)
+    assert choose_stages(on, run, fast2) == (1,)  # one fast replica outweighs two slow ones
+    assert choose_stages(on, run, _view(identities, [0.01, 0.04, None, 0.001], stages=stages)) == (2,)
+    assert choose_stages(DaemonConfig(stages=(2,)), run, fast2) == (2,)  # --stages pins it
+
+
 @pytest.fixture(scope="module")
 def identities(tmp_path_factory):
     d = tmp_path_factory.mktemp("ids")
