@@ -73,7 +73,7 @@ from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
 from node.swarm.reachability_watch import ReachabilityWatch
 from node.swarm.rpc_api import members_only
-from node.swarm.wiring import admission_of, coordinator_of, membership_parts, rpc_api_of
+from node.swarm.wiring import admission_of, coordinator_of, membership_parts, move_to_stage, rpc_api_of
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
@@ -112,14 +112,6 @@ def measured_compute_of(hook: Callable[[], float | None] | None, log) -> float |
     if value is None or not 0 < float(value) <= MAX_MEASURED_COMPUTE_S:
         return None
     return float(value)
-
-
-async def _move_stage(daemon: "Daemon", stage: int) -> None:
-    """Hold ``stage`` from now on (an epoch moved this ``--auto`` node there, which is what ``movable`` in its
-    advert allows): advertise it at once."""
-    daemon.stages = (int(stage),)
-    if daemon.membership is not None:
-        await daemon.membership.move_to(daemon.stages)
 
 
 class Daemon:
@@ -256,7 +248,7 @@ class Daemon:
             await asyncio.wait_for(self.membership.announce(), timeout=GOODBYE_TIMEOUT_S)
             self.membership.publish_event("leave")
 
-    move_stage = _move_stage  # the trainer's hook: an epoch moved this --auto node to another stage
+    move_stage = move_to_stage  # the trainer's hook: the stage the epoch it trains on gives this node
     def peer_alive(self, peer_id: str) -> bool:
         """Membership as the view sees it: an unexpired advert that does not say OFFLINE."""
         if peer_id == self.peer_id:

@@ -90,7 +90,8 @@ class TrainerHost(Protocol):
     def is_peer_allowed(self, peer_id: str) -> bool: ...
 
     async def move_stage(self, stage: int) -> None:
-        """An epoch moved this node to ``stage``: the host advertises that stage from now on."""
+        """The epoch this node is about to train on gives it ``stage``: a host whose stage was chosen with
+        ``--auto`` advertises that stage from now on (one given ``--stages`` keeps its advert)."""
         ...
 
     async def report_failure(self, reason: str) -> None:

@@ -90,21 +90,23 @@ def measured_compute(trainer) -> Optional[float]:
 
 
 async def follow_stage_move(host: TrainerHost, trainer, epoch) -> None:
-    """After ``trainer`` left because an epoch moved this node's stage (:class:`StageMoved`): advertise the stage
-    ``epoch`` (the one it re-joins) gives it. The trainer built on ``epoch`` then joins that stage as a joiner
-    does: its data plane up first, then the stage's verified state of the iteration before the epoch's first
-    from that stage's replicas; if that download fails, the join fails as a joiner's does (this node waits for a
-    later epoch, the others train on). The old stage's checkpoint is kept as it is: checkpoints are kept per
-    stage, so it stays a complete file of that stage at the last iteration this node committed there, which a
-    ``--resume`` on that stage can still use; the new stage checkpoints to its own file."""
-    if trainer is None or trainer.moved is None:
-        return
+    """Tell ``host`` the stage ``epoch`` (the one this node is about to train on) gives it: an ``--auto`` node
+    advertises the stage it trains, wherever an epoch moved it (the host keeps the advert of a node given
+    ``--stages``). After ``trainer`` left because the epoch moved it (:class:`StageMoved`), the trainer built on
+    ``epoch`` joins the new stage as a joiner does: its data plane up first, then the stage's verified state of
+    the iteration before the epoch's first, from that stage's replicas; if that download fails, the join fails
+    as a joiner's does (this node waits for a later epoch, the others train on). The old stage's checkpoint is
+    kept as it is: checkpoints are kept per stage, so it stays a complete file of that stage at the last
+    iteration this node committed there, which a ``--resume`` on that stage can still use; the new stage
+    checkpoints to its own file."""
     me = str(host.peer_id)
     stage = stage_index(parse_schedule(epoch.schedule)).get(epoch.members.index(me)) if me in epoch.members else None
-    if stage is not None:
+    if stage is None:
+        return
+    if trainer is not None and trainer.moved is not None:
         trainer.log.info("moving from stage %d to stage %d (schedule epoch %d, from iteration %d)",
                          trainer.moved.old_stage, stage, epoch.epoch, int(epoch.start_iteration))
-        await host.move_stage(stage)
+    await host.move_stage(stage)
 
 
 class TrainerService:
