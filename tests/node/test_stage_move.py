@@ -7,6 +7,7 @@ tests/faults/test_stage_move_daemons.py)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import pytest
@@ -174,3 +175,40 @@ def test_an_epoch_that_moves_this_node_hands_the_move_over_instead_of_refusing_i
     other.bind(first)
     other.offer(moved)
     assert other.switch(5) is True and other.stage == 1
+
+
+async def test_the_node_advertises_the_stage_its_epoch_gives_it_only_when_it_joined_with_auto():
+    from types import SimpleNamespace
+
+    from node.swarm.wiring import move_to_stage
+    from node.train.common import NodeLog
+    from node.train.service import follow_stage_move
+
+    announced = []
+
+    class Membership:
+        async def move_to(self, stages):
+            announced.append(stages)
+
+    def daemon(stages, flag):
+        return SimpleNamespace(config=SimpleNamespace(stages=flag), stages=stages, membership=Membership(),
+                               peer_id="b")
+
+    auto, pinned = daemon((1,), None), daemon((1,), (1,))
+    await move_to_stage(auto, 2)
+    await move_to_stage(auto, 2)  # already there: nothing to announce
+    await move_to_stage(pinned, 2)  # --stages: its advert stays
+    assert (auto.stages, pinned.stages, announced) == ((2,), (1,), [(2,)])
+
+    moved = _Epoch(2, ["d", "a", "b", "s"], [[0], [1], [2, 3]], 5)
+    calls = []
+    host = SimpleNamespace(peer_id="b", move_stage=lambda s: _record(calls, s))
+    trainer = SimpleNamespace(moved=StageMoved("m", moved, 1, 2), log=NodeLog(logging.getLogger(), "b"))
+    await follow_stage_move(host, trainer, moved)
+    await follow_stage_move(host, None, moved)  # a first epoch (no trainer yet): the stage it gives, as well
+    await follow_stage_move(SimpleNamespace(peer_id="x", move_stage=None), None, moved)  # not a member: nothing
+    assert calls == [2, 2]
+
+
+async def _record(calls, stage):
+    calls.append(stage)
