@@ -262,11 +262,10 @@ class Coordinator:
                 held = {e.peer_id for e in new[cap:]}
                 online = [e for e in online if e.peer_id not in held]
         assignment = assign_stages(online, self.run.num_stages)
-        if self.current is not None:  # a moved --auto node stays where its epoch put it, whatever its advert says
+        movable = [e.peer_id for e in online if e.advert.movable and 0 not in e.advert.stages]
+        if self.current is not None and movable:  # a moved --auto node stays where its epoch put it
             placed = dict(epoch_membership(self.current))
-            for e in online:
-                if e.advert.movable and placed.get(e.peer_id, 0) > 0 and 0 not in e.advert.stages:
-                    assignment[e.peer_id] = placed[e.peer_id]
+            assignment.update({p: placed[p] for p in movable if placed.get(p, 0) > 0})
         return online, assignment
 
     # ------------------------------------------------------------------ periodic work
