@@ -143,7 +143,7 @@ def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
                     unmeasured.add(s)
     # measured speeds only with re-planning on: daemons sharing a host measure each other's contention (the
     # reason re-planning is off by default), and the coordinator plans with start-up figures then too
-    measured_all = cfg.replan.enabled and not unmeasured & set(range(1, run.num_stages))
+    measured_all = cfg.replan.enabled and all(counts[s] and s not in unmeasured for s in range(1, run.num_stages))
     stage = auto_stage(counts, capacity if measured_all else None)
     log.info("--auto picked stage %d (replicas per stage: %s%s)", stage, counts,
              ", measured capacity per stage: " + ", ".join(f"{c:.3g}" for c in capacity) if measured_all else "")

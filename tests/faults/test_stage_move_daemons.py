@@ -6,7 +6,8 @@ stage 1 (the first finds it empty, the second finds every stage held once and no
 the bottleneck, which the start-up benchmarks (one box) cannot see; once the replicas advertise what they
 measured, the coordinator (``--replan on``) moves one ``--auto`` node to stage 2 at an epoch boundary. The mover
 leaves stage 1, downloads stage 2's verified state, advertises stage 2 and trains it: every iteration is
-committed once, the mover's history has no gap and no repeat, and the loss stays finite. Checked from the
+committed once, the mover's history has no gap and no repeat, the loss stays finite, and its old stage's
+checkpoint stays whole at the last iteration it committed there. Checked from the
 training RPC, the epochs and the logs, never from a timing.
 """
 
@@ -16,6 +17,7 @@ import pytest
 
 from node.launch.process_swarm import ProcessSwarm
 from node.net.rpc import call_http
+from node.train.checkpoint import CheckpointStore
 from tests.faults.daemon_helpers import assert_each_step_committed_once, train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -28,19 +30,24 @@ DATA, AUTO_A, AUTO_B, SLOW = 0, 1, 2, 3
 
 
 def test_an_auto_node_moves_to_the_slow_stage_downloads_its_state_and_trains_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+
     def args(i):
         compute = COMPUTE_S * (SLOWDOWN if i == SLOW else 1.0)
         return train_args(ITERATIONS, 4, "--node-name", f"node{i}", "--compute-s-per-sample-per-layer",
-                          repr(compute)) + ["--microbatches", str(MICROBATCHES), "--replan", "on",
-                                            "--replan-interval", "0"]
+                          repr(compute), "--checkpoint-dir", str(ckpt)) + [
+            "--microbatches", str(MICROBATCHES), "--replan", "on", "--replan-interval", "0"]
 
     swarm = ProcessSwarm(4, [1, 2, 1], base_dir=tmp_path / "swarm", run_id="stagemove", heartbeat_s=1.0,
                          extra_args=args)
     swarm.nodes[AUTO_A].auto = swarm.nodes[AUTO_B].auto = True
     try:
-        for i in (DATA, SLOW, AUTO_A, AUTO_B):  # one at a time: each --auto node sees the ones before it
-            swarm.spawn(swarm.nodes[i])
-            swarm.wait_ready([swarm.nodes[i]], 240)
+        # the first --auto node finds stage 1 empty (whether or not it sees the slow replica yet); the second
+        # starts once both are up, so it finds every stage held once and no measurement: the lowest, stage 1
+        for group in ([DATA], [SLOW, AUTO_A], [AUTO_B]):
+            for i in group:
+                swarm.spawn(swarm.nodes[i])
+            swarm.wait_ready([swarm.nodes[i] for i in group], 240)
         assert [swarm.nodes[i].stage for i in (AUTO_A, AUTO_B)] == [1, 1], [n.stage for n in swarm.nodes]
         done = wait_for(swarm, range(4), lambda s: s.get("state") == "done", 400, "training to finish")
         last = call_http(swarm.nodes[DATA].rpc_url, "schedule", {}, timeout=10)
@@ -64,3 +71,9 @@ def test_an_auto_node_moves_to_the_slow_stage_downloads_its_state_and_trains_it(
     assert peers[done[mover]["peer_id"]]["stages"] == [2]
     its = [h["iteration"] for h in done[mover]["history"]]
     assert its == list(range(its[0], ITERATIONS)), its
+    # its old stage's checkpoint is kept, whole, at the last iteration it committed there (the one before the
+    # state it downloaded); the new stage checkpoints to its own file
+    moved_at = done[mover]["state_source"]["iteration"]
+    old = CheckpointStore(ckpt, "stagemove", 1, f"node{mover}").load()
+    new = CheckpointStore(ckpt, "stagemove", 2, f"node{mover}").load()
+    assert old is not None and old.iteration == moved_at and new is not None and new.iteration == ITERATIONS - 1
