@@ -194,8 +194,8 @@ def propose_move(policy: ReplanPolicy, stage_of: Mapping[str, int], movable: Seq
         after, _ = _slowest(stage_times(moved, compute, load))
         if after <= 0:
             continue
-        key = (now / after, -times[s], peer)
-        if best is None or key[:2] > best[0][:2]:
+        key = (now / after, -times[s])  # the gain, then the donor's spare capacity; peers in id order
+        if best is None or key > best[0]:
             best = (key, StageMove(peer, s, bottleneck, now / after))
     if best is None or not best[1].gain > policy.move_gain:
         return None
