@@ -53,7 +53,7 @@ def test_a_movable_node_moves_to_the_bottleneck_stage_when_it_buys_more_than_the
     assert propose_move(policy, lone, ["a"], compute, LOAD) is None
     # a data node never moves, even when movable and stage 0 has spare replicas
     assert propose_move(policy, {**lone, "e": 0}, ["d", "e"], {**compute, "e": 1.0}, LOAD) is None
-    # the fastest candidate from the stage with the most spare capacity: "c" in stage 3 (three replicas)
+    # the move that gains most: from stage 3 (three replicas, the most spare capacity), not from stage 1
     four = {"d": 0, "a": 1, "b": 1, "s": 2, "c": 3, "e": 3, "f": 3}
     times = dict(compute, c=1.0, e=1.0, f=1.0)
     assert propose_move(policy, four, ["a", "c", "e"], times, [4.0] * 4).peer == "c"
