@@ -27,7 +27,7 @@ def join_command_lines(run_id: str, maddrs: Sequence[str], training_flags: Seque
                        tokenizer_hash: Optional[str] = None) -> List[str]:
     """One ``skippipe node run ...`` line per reachable address, then hints (indented with ``#``).
 
-    The stage choice is ``--auto`` (the stage with the fewest replicas); a joiner may replace it with
+    The stage choice is ``--auto`` (the bottleneck stage, and movable later); a joiner may replace it with
     ``--stages K``."""
     lines: List[str] = []
     for maddr in maddrs:
@@ -43,7 +43,7 @@ def join_command_lines(run_id: str, maddrs: Sequence[str], training_flags: Seque
     if allow_peers:
         lines.append(f"  # allowlist: add the joiner's peer id to {allow_peers} here first")
     if training_flags:
-        lines.append("  # --auto takes the stage with the fewest replicas; --stages K picks one")
+        lines.append("  # --auto takes the bottleneck stage (and may be moved later); --stages K pins one")
         if tokenizer_hash:
             lines.append(f"  # every member must use the tokenizer with hash {tokenizer_hash}")
     return lines

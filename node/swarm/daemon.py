@@ -73,7 +73,7 @@ from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
 from node.swarm.reachability_watch import ReachabilityWatch
 from node.swarm.rpc_api import members_only
-from node.swarm.wiring import admission_of, coordinator_of, membership_parts, rpc_api_of
+from node.swarm.wiring import admission_of, coordinator_of, membership_parts, move_to_stage, rpc_api_of
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
@@ -248,6 +248,7 @@ class Daemon:
             await asyncio.wait_for(self.membership.announce(), timeout=GOODBYE_TIMEOUT_S)
             self.membership.publish_event("leave")
 
+    move_stage = move_to_stage  # the trainer's hook: the stage the epoch it trains on gives this node
     def peer_alive(self, peer_id: str) -> bool:
         """Membership as the view sees it: an unexpired advert that does not say OFFLINE."""
         if peer_id == self.peer_id:
@@ -302,7 +303,7 @@ class Daemon:
             rpc_port=self.rpc.http_port,
             location=cfg.location,
             timestamp=time.time(),
-            config_digest=self.config_digest, reachability=self.reachability.value,
+            config_digest=self.config_digest, reachability=self.reachability.value, movable=cfg.stages is None,
             measured_compute_s_per_sample_per_layer=measured_compute_of(self.measured_compute, self.log),
         )
 

@@ -102,6 +102,11 @@ class TrainerHost(Protocol):
         """Never admit ``peer_id`` into an epoch again (it pinned another run at the start barrier)."""
         ...
 
+    async def move_stage(self, stage: int) -> None:
+        """The epoch this node is about to train on gives it ``stage``: a host whose stage was chosen with
+        ``--auto`` advertises that stage from now on (one given ``--stages`` keeps its advert)."""
+        ...
+
     async def report_failure(self, reason: str) -> None:
         """This member cannot train (e.g. its checkpoint failed verification): the host stops advertising it
         as ONLINE, so no epoch includes it and no replica re-syncs from it, and keeps ``reason`` visible."""

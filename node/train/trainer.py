@@ -36,7 +36,7 @@ from node.net.records import finished_key, norm_key, start_key
 from node.train.averaging import StageAverager
 from node.train.build import data_shard, hop_deadlines, microbatch_guard, rebuild_averager
 from node.train.common import (IterationState, IterationStats, JoinFailed, LeftSchedule, Lifecycle, NodeKilled,
-                               NodeLog, TrainerConfig, TrainingStalled, arrival_time)
+                               NodeLog, StageMoved, TrainerConfig, TrainingStalled, arrival_time)
 from node.train.commit import IterationCommit
 from node.train.data import TokenSplits
 from node.train.epochs import EpochSource, EpochTracker
@@ -130,6 +130,7 @@ class TrainerNode:
         self.lifecycle = Lifecycle.RUNNING
         self._shutdown_started: Optional[float] = None  # monotonic time shutdown() began: resources go once
         self.left: Optional[str] = None
+        self.moved: Optional[StageMoved] = None  # set when run() ended because an epoch moves this node's stage
         self.health = PeerHealth(self.peer_id, alive=alive, self_alive=lambda: not self.killed, ban_s=config.ban_s,
                                  ban_max_s=config.ban_max_s, metrics=metrics, node_name=self.node_name, reaches=reaches)
         self.epochs = EpochTracker(self.peer_id, config.run_id, epoch, verify=verify_epoch, fetch=fetch_epochs,
@@ -326,7 +327,7 @@ class TrainerNode:
         self.epochs.follow(source)
 
     async def _maybe_switch_epoch(self) -> None:
-        """Apply the newest schedule epoch once its start iteration is reached (same stage only)."""
+        """Apply the newest schedule epoch once its start iteration is reached (a stage move raises StageMoved)."""
         if not self.epochs.switch(self.current_iteration):
             return
         if self.runtime is not None:
@@ -443,7 +444,7 @@ class TrainerNode:
             try:
                 out.append(await self.run_iteration())
             except LeftSchedule as e:
-                self.left = str(e)
+                self.left, self.moved = str(e), e if isinstance(e, StageMoved) else None
                 self.log.info("leaves training: %s", e)
                 break
         return out
