@@ -199,14 +199,17 @@ def simulate_routes(
     F = cost.compute_s
     br, lr = cost.backward_ratio, cost.loss_ratio
     link = cost.link_s
-    push, pop = heapq.heappush, heapq.heappop
+    push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
-    # Per microbatch j: node and duration of each of its 2L+1 tasks, and where its loss runs.
+    # Per microbatch j: the node of each of its 2L+1 tasks, and L (its loss is task L). A task's
+    # duration depends on its node and kind alone: forward F[v], loss F[v] x loss ratio, backward
+    # F[v] x backward ratio.
     # Queues: the forwards waiting at a node, and its backwards and losses, are FIFOs: a node's
     # arrivals are handled in time order (then in the order they were sent on equal times), so the
     # earliest-arrival-then-dispatch-order rule is first in, first out; backwards go before losses.
-    mb_nodes: list[list[int]] = []
-    mb_durs: list[list[float]] = []
+    FB = [f * br for f in F]
+    FL = [f * lr for f in F]
+    mb_nodes: list[tuple[int, ...]] = []
     mb_owner: list[tuple[int, int]] = []
     mb_loss: list[int] = []
     fq: list[deque] = [deque() for _ in range(n)]
@@ -214,17 +217,13 @@ def simulate_routes(
     lq: list[deque] = [deque() for _ in range(n)]
     for d in sorted(routes_by_data_node):
         for idx, r in enumerate(routes_by_data_node[d]):
-            L = len(r)
-            back = r[::-1] if isinstance(r, (tuple, list)) else [r[i] for i in range(L - 1, -1, -1)]
-            nodes = list(r) + [r[0]] + list(back)
-            durs = [F[v] for v in r] + [F[r[0]] * lr] + [F[v] * br for v in back]
+            r = tuple(r)
             fq[r[0]].append((len(mb_nodes), 0))
-            mb_nodes.append(nodes)
-            mb_durs.append(durs)
+            mb_nodes.append(r + r[:1] + r[::-1])
             mb_owner.append((d, idx))
-            mb_loss.append(L)
+            mb_loss.append(len(r))
     total = len(mb_nodes)
-    seq = total  # the initial forwards took 0 .. total-1 in dispatch order
+    seq = 0  # orders events of equal time: by when they were scheduled
     free = [memory] * n
     busy = [False] * n
     busy_s = [0.0] * n
@@ -248,11 +247,11 @@ def simulate_routes(
                 free[v] -= 1
             else:
                 continue
-            dur = mb_durs[j][p]
+            L2 = mb_loss[j]
+            dur = F[v] if p < L2 else (FB[v] if p > L2 else FL[v])
             busy[v] = True
             busy_s[v] += dur
             if timelines is not None:
-                L2 = mb_loss[j]
                 kind = "F" if p < L2 else ("L" if p == L2 else "B")
                 timelines[v].append(Task(t, t + dur, kind, mb_owner[j][0], mb_owner[j][1]))
             seq += 1
@@ -261,14 +260,18 @@ def simulate_routes(
             break
         t = ev[0][0]
         touched = []
-        while ev and ev[0][0] == t:
-            _, _, is_finish, v, j, p = pop(ev)
+        while ev:
+            e = ev[0]  # handled in place: a finish replaces itself by its transfer
+            if e[0] != t:
+                break
+            _, _, is_finish, v, j, p = e
             L2 = mb_loss[j]
             if is_finish:
                 busy[v] = False
                 if p > L2:
                     free[v] += 1
                 if p == 2 * L2:
+                    pop(ev)
                     done_at[j] = t
                     done += 1
                 else:
@@ -277,11 +280,11 @@ def simulate_routes(
                     if link_busy_s is not None and v != w:  # queue for the link behind earlier transfers
                         sent = max(t, link_free_at.get((v, w), t))
                         link_free_at[(v, w)] = sent + link_busy_s[v][w]
-                        push(ev, (sent + link[v][w], seq, False, w, j, p + 1))
+                        replace(ev, (sent + link[v][w], seq, False, w, j, p + 1))
                     else:
-                        push(ev, (t + link[v][w], seq, False, w, j, p + 1))
+                        replace(ev, (t + link[v][w], seq, False, w, j, p + 1))
             else:
-                seq += 1
+                pop(ev)
                 if p < L2:
                     fq[v].append((j, p))
                 elif p > L2:
