@@ -10,8 +10,13 @@ as ``repr``). Run it against two checkouts (``PYTHONPATH=<checkout>``) to check 
 changed no result: the digests must be equal.
 
     python bench/plan_speed.py [--nodes 20,200,1000] [--seed 0] [--cprofile PREFIX] [--json]
+    python bench/plan_speed.py --nodes 20,200,1000 --against /work/main [--rounds 3]
 
 ``--cprofile PREFIX`` writes ``PREFIX-<nodes>.prof`` (cProfile of allocation + search).
+``--against ROOT`` runs this script alternately on ROOT's ``scheduler`` and on this checkout's,
+``--rounds`` times each (a fresh interpreter per run, so neither warms the other's caches), and
+prints both side by side: the medians of wall and CPU time, their ratio (this checkout / ROOT), and
+whether every digest matched. On a shared box the ratios of CPU times are the figure to read.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import argparse
 import cProfile
 import hashlib
 import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 
@@ -79,6 +87,36 @@ def run(n: int, seed: int, profile: LinkProfile, prof_prefix: str | None) -> dic
             "search_wall_s": w2 - w1, "search_cpu_s": c2 - c1, "plan_wall_s": w2 - w0, "plan_cpu_s": c2 - c0}
 
 
+def compare(args: argparse.Namespace) -> int:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    roots = {"base": os.path.abspath(args.against), "this": here}
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for rnd in range(args.rounds):
+        for name, root in roots.items():
+            cmd = [sys.executable, os.path.abspath(__file__), "--json", "--nodes", args.nodes, "--seed", str(args.seed),
+                   "--profile", args.profile]
+            out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True, text=True)
+            for line in out.stdout.splitlines():
+                r = json.loads(line)
+                runs.setdefault((name, r["nodes"]), []).append(r)
+                print(f"round {rnd + 1} {name:<4} {r['nodes']:>5} nodes: digest {r['digest']} plan {r['plan_wall_s']:.2f} s wall,"
+                      f" {r['plan_cpu_s']:.2f} s CPU", flush=True)
+    print(f"base = {roots['base']}, this = {roots['this']}; medians of {args.rounds} runs; ratio = this / base")
+    print(f"{'nodes':>5} {'part':<7}{'base wall':>10}{'this wall':>10}{'ratio':>7}{'base cpu':>10}{'this cpu':>10}{'ratio':>7}"
+          f"  same plan")
+    ok = True
+    for n in (int(x) for x in args.nodes.split(",")):
+        b, t = runs[("base", n)], runs[("this", n)]
+        same = len({r["digest"] for r in b + t}) == 1
+        ok &= same
+        for part in ("alloc", "search", "plan"):
+            med = {k: {m: statistics.median(r[f"{part}_{m}_s"] for r in rs) for m in ("wall", "cpu")} for k, rs in (("b", b), ("t", t))}
+            print(f"{n:>5} {part:<7}{med['b']['wall']:>10.2f}{med['t']['wall']:>10.2f}{med['t']['wall'] / med['b']['wall']:>7.3f}"
+                  f"{med['b']['cpu']:>10.2f}{med['t']['cpu']:>10.2f}{med['t']['cpu'] / med['b']['cpu']:>7.3f}"
+                  f"  {('yes ' + b[0]['digest']) if same else 'NO'}")
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="20,200")
@@ -86,7 +124,11 @@ def main() -> int:
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="link profile JSON")
     ap.add_argument("--cprofile", default=None, help="write cProfile stats to PREFIX-<nodes>.prof")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    ap.add_argument("--against", default=None, help="another checkout to compare with, side by side")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each checkout with --against")
     args = ap.parse_args()
+    if args.against:
+        return compare(args)
     profile = LinkProfile.load(args.profile)
     if not args.json:
         print(f"{'nodes':>5} {'digest':<17}{'sim s':>9}{'iters':>6}{'alloc s':>9}{'cpu':>7}{'search s':>9}{'cpu':>7}"
