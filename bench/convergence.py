@@ -59,6 +59,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from node.train.data import DataConfig, TokenSplits, load_splits, validation_batches
+from node.spec import DEFAULT_MICROBATCH_SIZE
 from node.train.model import model_config
 from node.ops.plotting import load_pyplot
 from node.eval.path_training import PathTrainer, full_pipeline_schedule
@@ -97,7 +98,7 @@ class BenchConfig:
     iterations: int = 200
     eval_every: int = 10
     val_batches: int = 16
-    microbatch_size: int = 8
+    microbatch_size: int = DEFAULT_MICROBATCH_SIZE
     seq_len: Optional[int] = None  # default: the model's context
     lr: float = 3e-3
     lr_schedule: str = "constant"  # or "cosine": linear warm-up, then cosine decay to min_lr_ratio x lr

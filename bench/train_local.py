@@ -28,6 +28,7 @@ import torch
 from node.launch.inproc_swarm import InProcessSwarm
 from node.launch.schedules import build_schedule
 from node.train.data import DataConfig, load_splits
+from node.spec import DEFAULT_MICROBATCH_SIZE
 from node.train.model import model_config
 from node.train.reference import ReferenceTrainer
 from node.train.runtime import OptimConfig
@@ -100,7 +101,7 @@ def main() -> int:
     args = ap.parse_args()
 
     mcfg = model_config(args.model)
-    data = DataConfig(seq_len=min(mcfg.context, 128), microbatch_size=8)
+    data = DataConfig(seq_len=min(mcfg.context, 128), microbatch_size=DEFAULT_MICROBATCH_SIZE)
     cfg = TrainerConfig(run_id=f"bench-{args.model}", model=mcfg, optim=OptimConfig(), data=data)
     splits = load_splits(data)
     S = mcfg.n_stages

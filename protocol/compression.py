@@ -21,7 +21,7 @@ exact length for the declared raw size (so the output can never be larger than t
 size: no decompression bomb), and for ``int8`` that every scale is finite and non-negative.
 
 A *wire format* (``--wire fp32|bf16|fp16|int8``) names the codec a run sends activations and
-gradients with (:data:`WIRE_FORMATS`); :func:`wire_bytes_per_element` is its real size per element,
+gradients with (:data:`WIRE_TABLE`); :func:`wire_bytes_per_element` is its real size per element,
 which the scheduler's cost model and the link emulation use.
 """
 

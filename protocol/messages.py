@@ -279,6 +279,9 @@ class StageAdvert:
     #: Compute speed measured while training (forward-equivalent seconds per sample per layer, the median of
     #: recent steps; :mod:`node.train.compute_meter`); None before enough steps, and from older senders.
     measured_compute_s_per_sample_per_layer: float | None = None
+    #: The peer joined with ``--auto`` (any stage other than 0 suits it), so the coordinator may move it to the
+    #: bottleneck stage at an epoch boundary; False from older senders and for nodes given ``--stages``.
+    movable: bool = False
 
     def validate(self, options: DecodeOptions) -> None:
         """Known state and reachability, non-negative counts, finite compute speeds (a measured one positive and

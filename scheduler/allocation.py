@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -47,7 +48,18 @@ class AllocationResult:
 
 
 class _Scorer:
-    def __init__(self, cost: CostMatrix, n_stages: int, pp_weight: float, dp_weight: float, skip_aware: bool):
+    """The allocation score. A pair of stages whose replica groups are unchanged keeps its matching
+    (a refinement step swaps two nodes, so most pairs of the next score are ones already scored): the
+    ``cache_pairs`` most recently used pair results are kept, keyed by both groups' members, so a
+    cached pair gives exactly the number a new matching would. A score has up to 15 pairs at 6
+    stages; 64 kept already hold the current individual's and the last trials' (at 1,000 nodes 65%
+    of the matchings still run, against 76% with 16 kept and 64% with 4,096); 256 leaves room for
+    more stages at a few MB."""
+
+    def __init__(self, cost: CostMatrix, n_stages: int, pp_weight: float, dp_weight: float, skip_aware: bool,
+                 cache_pairs: int = 256):
+        self.cache_pairs = cache_pairs
+        self._pairs: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
         link = np.asarray(cost.link_s, dtype=float)
         work = np.asarray(cost.compute_s, dtype=float) * (1.0 + cost.backward_ratio)
         self.E = link + link.T + (work[:, None] + work[None, :]) / 2.0
@@ -60,17 +72,28 @@ class _Scorer:
         else:
             self.pairs = [(s, s + 1) for s in range(n_stages - 1)] + ([(n_stages - 1, 0)] if n_stages > 2 else [])
 
+    def _pair(self, ga: np.ndarray, gb: np.ndarray) -> float:
+        """Mean edge of the capacity-balanced matching between replica groups ``ga`` and ``gb``."""
+        key = (ga.tobytes(), gb.tobytes())
+        got = self._pairs.get(key)
+        if got is not None:
+            self._pairs.move_to_end(key)
+            return got
+        if len(ga) < len(gb):
+            ga, gb = gb, ga
+        reps = math.ceil(len(ga) / len(gb))
+        sub = self.E[np.ix_(ga, np.tile(gb, reps))]
+        r, c = linear_sum_assignment(sub)
+        got = self._pairs[key] = float(sub[r, c].mean())
+        if len(self._pairs) > self.cache_pairs:
+            self._pairs.popitem(last=False)
+        return got
+
     def __call__(self, labels: np.ndarray) -> float:
         groups = [np.flatnonzero(labels == s) for s in range(self.S)]
         pp = 0.0
         for a, b in self.pairs:
-            ga, gb = groups[a], groups[b]
-            if len(ga) < len(gb):
-                ga, gb = gb, ga
-            reps = math.ceil(len(ga) / len(gb))
-            sub = self.E[np.ix_(ga, np.tile(gb, reps))]
-            r, c = linear_sum_assignment(sub)
-            pp += float(sub[r, c].mean())
+            pp += self._pair(groups[a], groups[b])
         pp /= max(1, len(self.pairs))
         dp = 0.0
         if self.dp_weight:

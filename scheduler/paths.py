@@ -45,6 +45,7 @@ from scheduler.robust import PredictedSpread, RobustConfig, cost_scenarios, most
 from scheduler.routes import RouteLimits, allowed_sequences
 from scheduler.schedule import PathEntry, Schedule
 from scheduler.simulator import simulate_routes
+from scheduler.stage_orders import StageOrders
 from scheduler.validate import deadlock_risk, validate_schedule
 
 __all__ = [
@@ -214,28 +215,12 @@ class _Problem:
         comp = np.asarray(cost.compute_s, dtype=float)
         self.work = comp * (1.0 + cost.backward_ratio)
         self.R = [np.asarray(s, dtype=int) for s in stages]
-        self.sub = {
-            (a, b): self.W[np.ix_(self.R[a], self.R[b])] for a in range(1, self.S) for b in range(1, self.S) if a != b
-        }
-        # Replicas of a stage that no hop can tell apart (equal round-trip time to every node of
-        # the other stages; common with profile costs: nodes in one location) form a class. A
-        # layered step ``min_x c[x] + W[x, y]`` only needs each class's smallest ``c``, so the
-        # stage-order scoring runs on class x replica blocks instead of replica x replica ones,
-        # with bit-identical results (rounding is monotone).
-        self.cls_order: dict[int, np.ndarray] = {}
-        self.cls_start: dict[int, np.ndarray] = {}
-        self.sub_cls: dict[tuple[int, int], np.ndarray] = {}
-        for a in range(1, self.S):
-            others = np.asarray([v for t, nodes in enumerate(stages) if t != a for v in nodes], dtype=int)
-            _, inverse = np.unique(self.W[np.ix_(self.R[a], others)], axis=0, return_inverse=True)
-            inverse = np.asarray(inverse).reshape(-1)
-            order = np.argsort(inverse, kind="stable")
-            self.cls_order[a] = order
-            self.cls_start[a] = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
-            reps = self.R[a][order[self.cls_start[a]]]  # one replica per class
-            for b in range(1, self.S):
-                if b != a:
-                    self.sub_cls[(a, b)] = self.W[np.ix_(reps, self.R[b])]
+        #: scoring of stage orders by their cheapest replicas (on replica classes)
+        self.orders = StageOrders(stages, self.W, self.seqs)
+        #: which stages each allowed order visits (orders x stages), for the quota checks
+        self.seq_member = np.zeros((len(self.seqs), self.S), dtype=bool)
+        for i, q in enumerate(self.seqs):
+            self.seq_member[i, list(q)] = True
 
     def has_swap(self, route: Sequence[int]) -> bool:
         highest = 0
@@ -245,60 +230,6 @@ class _Problem:
                 return True
             highest = s
         return False
-
-
-def _best_route(pb: _Problem, d: int, seq: tuple[int, ...], nw: np.ndarray) -> tuple[float, tuple[int, ...]]:
-    """Cheapest replicas for stage order ``seq`` from data node ``d`` (exact layered DP)."""
-    if not seq:
-        return 0.0, (d,)
-    R = pb.R
-    c = pb.W[d, R[seq[0]]] + nw[R[seq[0]]]
-    back = []
-    for a, b in zip(seq, seq[1:]):
-        M = c[:, None] + pb.sub[(a, b)]
-        arg = M.argmin(axis=0)
-        c = M[arg, np.arange(M.shape[1])] + nw[R[b]]
-        back.append(arg)
-    c = c + pb.W[R[seq[-1]], d]
-    i = int(c.argmin())
-    best = float(c[i])
-    if not math.isfinite(best):
-        return math.inf, ()
-    idx = [i]
-    for arg in reversed(back):
-        idx.append(int(arg[idx[-1]]))
-    idx.reverse()
-    return best, (d,) + tuple(int(R[s][k]) for s, k in zip(seq, idx))
-
-
-def _order_costs(pb: _Problem, d: int, seqs: Sequence[tuple[int, ...]], nw: np.ndarray) -> list[float]:
-    """The cost :func:`_best_route` gives each stage order in ``seqs``, bit for bit, computed
-    together: orders sharing a prefix share its layers, a hop between two non-zero stages runs
-    from the replica classes of :class:`_Problem` (the class minimum plus the shared hop time is
-    the minimum over its replicas, rounding being monotone), and only minima are taken (the
-    route is recovered for the chosen order alone)."""
-    R = pb.R
-    memo: dict[tuple[int, ...], np.ndarray] = {}
-
-    def layer(p: tuple[int, ...]) -> np.ndarray:
-        c = memo.get(p)
-        if c is None:
-            if len(p) == 1:
-                c = pb.W[d, R[p[0]]] + nw[R[p[0]]]
-            else:
-                a = p[-2]
-                prev = np.minimum.reduceat(layer(p[:-1])[pb.cls_order[a]], pb.cls_start[a])  # per class
-                c = (prev[:, None] + pb.sub_cls[(a, p[-1])]).min(axis=0) + nw[R[p[-1]]]
-            memo[p] = c
-        return c
-
-    out = []
-    for seq in seqs:
-        if not seq:
-            out.append(0.0)
-            continue
-        out.append(float((layer(seq) + pb.W[R[seq[-1]], d]).min()))
-    return out
 
 
 class _HopGraph:
@@ -371,17 +302,15 @@ def construct_routes(
         nw = pb.work + load_weight * load
         nw = np.where(visits + w > cap, np.inf, nw)
         chosen = None
-        for strict in (True, False):
-            eligible = [
-                seq
-                for seq in pb.seqs
-                if all(left[s] >= w for s in seq)
-                and not (strict and any(left[s] - (w if s in seq else 0) > remaining for s in range(1, pb.S)))
-            ]
-            costs = _order_costs(pb, d, eligible, nw)
+        costs = pb.orders.costs(d, nw)
+        left_a = np.asarray(left)
+        fits = ~(pb.seq_member & (left_a < w)).any(axis=1)  # every stage of the order has w visits left
+        # strict: no stage would be left with more visits than microbatches remain to place
+        over = np.where(pb.seq_member, left_a - w, left_a)[:, 1:] > remaining
+        for eligible in (fits & ~over.any(axis=1), fits):
             # cheapest first; equal costs (common: replicas in one location) in the orders' lexicographic order
-            for c, i in sorted((c, i) for i, c in enumerate(costs) if math.isfinite(c)):
-                r = _best_route(pb, d, eligible[i], nw)[1]
+            for c, i in sorted((costs[i], i) for i in np.flatnonzero(eligible).tolist() if math.isfinite(costs[i])):
+                r = pb.orders.best_route(d, pb.seqs[i], nw)[1]
                 if not hops.would_cycle(r):
                     chosen = r
                     break

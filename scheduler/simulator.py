@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -198,29 +199,31 @@ def simulate_routes(
     F = cost.compute_s
     br, lr = cost.backward_ratio, cost.loss_ratio
     link = cost.link_s
-    push, pop = heapq.heappush, heapq.heappop
+    push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
-    # per microbatch: node and duration of each of its 2L+1 tasks
-    mb_nodes: list[list[int]] = []
-    mb_durs: list[list[float]] = []
+    # Per microbatch j: the node of each of its 2L+1 tasks, and L (its loss is task L). A task's
+    # duration depends on its node and kind alone: forward F[v], loss F[v] x loss ratio, backward
+    # F[v] x backward ratio.
+    # Queues: the forwards waiting at a node, and its backwards and losses, are FIFOs: a node's
+    # arrivals are handled in time order (then in the order they were sent on equal times), so the
+    # earliest-arrival-then-dispatch-order rule is first in, first out; backwards go before losses.
+    FB = [f * br for f in F]
+    FL = [f * lr for f in F]
+    mb_nodes: list[tuple[int, ...]] = []
     mb_owner: list[tuple[int, int]] = []
-    fq: list[list] = [[] for _ in range(n)]
-    bq: list[list] = [[] for _ in range(n)]
-    seq = 0
+    mb_loss: list[int] = []
+    fq: list[deque] = [deque() for _ in range(n)]
+    bq: list[deque] = [deque() for _ in range(n)]
+    lq: list[deque] = [deque() for _ in range(n)]
     for d in sorted(routes_by_data_node):
         for idx, r in enumerate(routes_by_data_node[d]):
-            L = len(r)
-            nodes = list(r) + [r[0]] + [r[i] for i in range(L - 1, -1, -1)]
-            durs = [F[v] for v in r] + [F[r[0]] * lr] + [F[r[i]] * br for i in range(L - 1, -1, -1)]
-            j = len(mb_nodes)
-            mb_nodes.append(nodes)
-            mb_durs.append(durs)
+            r = tuple(r)
+            fq[r[0]].append((len(mb_nodes), 0))
+            mb_nodes.append(r + r[:1] + r[::-1])
             mb_owner.append((d, idx))
-            fq[r[0]].append((0.0, seq, j, 0))
-            seq += 1
+            mb_loss.append(len(r))
     total = len(mb_nodes)
-    for q in fq:
-        heapq.heapify(q)
+    seq = 0  # orders events of equal time: by when they were scheduled
     free = [memory] * n
     busy = [False] * n
     busy_s = [0.0] * n
@@ -229,60 +232,66 @@ def simulate_routes(
     done = 0
     ev: list = []  # (time, seq, is_finish, node, mb, phase)
 
-    def start(v: int, t: float) -> None:
-        nonlocal seq
-        if bq[v]:
-            _, _, _, j, p = pop(bq[v])
-        elif fq[v] and free[v] > 0:
-            _, _, j, p = pop(fq[v])
-            free[v] -= 1
-        else:
-            return
-        dur = mb_durs[j][p]
-        busy[v] = True
-        busy_s[v] += dur
-        if timelines is not None:
-            L2 = len(mb_durs[j]) // 2
-            kind = "F" if p < L2 else ("L" if p == L2 else "B")
-            timelines[v].append(Task(t, t + dur, kind, mb_owner[j][0], mb_owner[j][1]))
-        seq += 1
-        push(ev, (t + dur + task_gap_s, seq, True, v, j, p))
-
-    for v in range(n):
-        if fq[v]:
-            start(v, 0.0)
-    while ev:
+    touched = [v for v in range(n) if fq[v]]
+    t = 0.0
+    while True:
+        for v in touched:  # start the next task on every idle node that something happened to
+            if busy[v]:
+                continue
+            if bq[v]:
+                j, p = bq[v].popleft()
+            elif lq[v]:
+                j, p = lq[v].popleft()
+            elif fq[v] and free[v] > 0:
+                j, p = fq[v].popleft()
+                free[v] -= 1
+            else:
+                continue
+            L2 = mb_loss[j]
+            dur = F[v] if p < L2 else (FB[v] if p > L2 else FL[v])
+            busy[v] = True
+            busy_s[v] += dur
+            if timelines is not None:
+                kind = "F" if p < L2 else ("L" if p == L2 else "B")
+                timelines[v].append(Task(t, t + dur, kind, mb_owner[j][0], mb_owner[j][1]))
+            seq += 1
+            push(ev, (t + dur + task_gap_s, seq, True, v, j, p))
+        if not ev:
+            break
         t = ev[0][0]
         touched = []
-        while ev and ev[0][0] == t:
-            _, _, is_finish, v, j, p = pop(ev)
-            nodes = mb_nodes[j]
-            L2 = len(nodes) // 2  # == path length
+        while ev:
+            e = ev[0]  # handled in place: a finish replaces itself by its transfer
+            if e[0] != t:
+                break
+            _, _, is_finish, v, j, p = e
+            L2 = mb_loss[j]
             if is_finish:
                 busy[v] = False
                 if p > L2:
                     free[v] += 1
                 if p == 2 * L2:
+                    pop(ev)
                     done_at[j] = t
                     done += 1
                 else:
-                    w = nodes[p + 1]
+                    w = mb_nodes[j][p + 1]
                     seq += 1
-                    sent = t
                     if link_busy_s is not None and v != w:  # queue for the link behind earlier transfers
                         sent = max(t, link_free_at.get((v, w), t))
                         link_free_at[(v, w)] = sent + link_busy_s[v][w]
-                    push(ev, (sent + link[v][w], seq, False, w, j, p + 1))
+                        replace(ev, (sent + link[v][w], seq, False, w, j, p + 1))
+                    else:
+                        replace(ev, (t + link[v][w], seq, False, w, j, p + 1))
             else:
-                seq += 1
+                pop(ev)
                 if p < L2:
-                    push(fq[v], (t, seq, j, p))
+                    fq[v].append((j, p))
+                elif p > L2:
+                    bq[v].append((j, p))
                 else:
-                    push(bq[v], (0 if p > L2 else 1, t, seq, j, p))
+                    lq[v].append((j, p))
             touched.append(v)
-        for v in touched:
-            if not busy[v]:
-                start(v, t)
     finish: dict[int, float] = {d: 0.0 for d in routes_by_data_node}
     for j, (d, _) in enumerate(mb_owner):
         if done_at[j] > finish[d]:

@@ -113,7 +113,7 @@ SERVICE_OWN_FLAGS = {"--host-maddrs", "--announce-maddrs", "--gossip-port", "--i
 #: The run docker/compose.yaml trains: the tiny model on Shakespeare, 200 iterations once bootstrap + 6 nodes are in.
 COMPOSE_RUN = TrainSpec(train=True, iterations=200, min_members=7, checkpoint_dir=pathlib.Path("/data/checkpoints"),
                         run_id="compose")
-#: The bootstrap founds the run (stage 0 of 6, paths of 4); the nodes take the stage with the fewest replicas.
+#: The bootstrap founds the run (stage 0 of 6, paths of 4); the nodes take the bottleneck stage (--auto).
 COMPOSE_SPECS = {"bootstrap": replace(COMPOSE_RUN, stages=(0,), num_stages=6, path_length=4),
                  "node": replace(COMPOSE_RUN, auto=True)}
 

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from node.cli.validate import as_text, int_range
 from node.errors import UserError
+from node.spec import DEFAULT_MICROBATCH_SIZE
 from node.ops.tables import text_table
 
 __all__ = ["register", "EvalOptions", "run_eval", "format_table"]
@@ -238,7 +239,7 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", default=None, metavar="bytes|bpe:VOCAB|PATH",
                    help="the run's tokenizer (default: the one the checkpoint records; its hash must match)")
     p.add_argument("--seq-len", type=int_range(2, 1 << 20), default=None, help="tokens per sequence (default: recorded, else context)")
-    p.add_argument("--microbatch-size", type=int_range(1, 65536), default=None, help="sequences per batch (default: recorded, else 8)")
+    p.add_argument("--microbatch-size", type=int_range(1, 65536), default=None, help=f"sequences per batch (default: recorded, else {DEFAULT_MICROBATCH_SIZE})")
     p.add_argument("--branch-scale", metavar="P", default=None,
                    help="run stages 1.. with their residual branches scaled by P in (0, 1]: the stochastic-depth "
                         "inference rule for a skip-trained model, P = the share of microbatches that visited each "

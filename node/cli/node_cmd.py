@@ -49,7 +49,9 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm (the default without --initial-peers)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--stages", type=_stage_list, metavar="K[,K...]", help="stages this node holds, e.g. 0 or 2,3")
-    group.add_argument("--auto", action="store_true", help="join the stage with the fewest replicas (default)")
+    group.add_argument("--auto", action="store_true",
+                       help="join the bottleneck stage (an empty one, else the fewest replicas or, with --replan on, "
+                            "the least measured capacity); the coordinator may move the node later (default)")
     add_run_arguments(p, ("num_stages", "path_length", "microbatches"))
     p.add_argument("--schedule-policy", default="skippipe", metavar="POLICY",
                    help="how epochs route microbatches (new swarm): skippipe (default), full (aligned full "

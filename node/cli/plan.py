@@ -16,6 +16,7 @@ from node.cli.validate import (MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_STAGES, M
                                MAX_PLAN_WORK, plan_work,
                                check_file_size, float_range, int_range)
 from node.errors import UserError
+from node.spec import DEFAULT_MICROBATCH_SIZE
 from scheduler.allocation import allocate
 from scheduler.compare import compare_variants
 from scheduler.cost import CostParams, LinkProfile, ModelShape, build_cost, link_busy_matrix, nodes_round_robin
@@ -67,7 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--stage-sizes", type=_int_list, required=True, metavar="N0,N1,...", help="replicas per stage; stage 0 = data nodes")
     p.add_argument("--path-length", type=int_range(1, MAX_STAGES), required=True, help="stages each microbatch visits, stage 0 included")
     p.add_argument("--microbatches", type=int_range(1, MAX_MICROBATCHES), default=6, help="microbatches per data node per iteration (default 6)")
-    p.add_argument("--samples", type=int_range(1, 1 << 16), default=8, help="samples per microbatch (default 8)")
+    p.add_argument("--samples", type=int_range(1, 1 << 16), default=DEFAULT_MICROBATCH_SIZE, help=f"samples per microbatch (default {DEFAULT_MICROBATCH_SIZE})")
     p.add_argument("--layers-per-stage", type=int_range(1, 1 << 12), default=4, help="layers per stage (default 4)")
     p.add_argument("--d-model", type=int_range(1, 1 << 20), default=1024, help="hidden size (default 1024)")
     p.add_argument("--seq-len", type=int_range(1, 1 << 24), default=1024, help="tokens per sample (default 1024)")

@@ -21,6 +21,8 @@ from protocol.compression import WIRE_TABLE
 __all__ = ["RunFlag", "RUN_FLAGS", "add_run_arguments", "MODEL_SIZE_NAMES", "MODEL_DATA_FIELDS",
            "PRECISION_WIRE_FIELDS"]
 
+#: ``--model`` choices: the keys of :data:`node.train.model.MODEL_SIZES`, written out so that parsing the
+#: command line does not import torch (tests/node_units/test_run_spec.py checks that they agree)
 MODEL_SIZE_NAMES = ("tiny", "small", "500m")
 #: Model and data flags (``node run --train`` and ``up``: same names, same meaning).
 MODEL_DATA_FIELDS = ("model", "model_config", "corpus", "text_field", "tokenizer")

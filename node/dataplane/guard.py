@@ -88,7 +88,7 @@ REASONS: Tuple[str, ...] = (WRONG_RUN, WRONG_DTYPE, WRONG_SHAPE, BAD_TENSOR, NON
                             REPLAYED, WRONG_COMPRESSION, OUT_OF_RANGE)
 #: Reasons that say the *content* of a hop tensor is poison (not that it is late, misaddressed or
 #: from an outsider): such a frame from a member counts as that member's fault, and its microbatch
-#: is reported failed to its data node at once (node.train.screening.on_rejected_frame).
+#: is reported failed to its data node at once (node.train.screening.FrameRejections).
 CONTENT_FAULTS = frozenset({NON_FINITE, OUT_OF_RANGE, BAD_TENSOR, WRONG_SHAPE, WRONG_DTYPE, WRONG_COMPRESSION})
 
 

@@ -6,27 +6,20 @@ iterations, plus ``--train`` itself, the swarm key of a private swarm and a stag
 ``--num-stages``, ``--path-length`` and ``--microbatches`` come from the founder in the hello
 handshake, so they are not repeated.
 
-:func:`training_join_flags` turns the founder's parsed ``node run`` arguments into those flags (the
-CLI stores them on the trainer service as ``join_flags``); :func:`join_command_lines` builds the lines
-to print; :func:`join_lines_for_daemon` is the one call the daemon's banner makes.
+:meth:`node.spec.TrainSpec.join_argv` gives those flags (the CLI stores them on the trainer service as
+``join_flags``); :func:`join_command_lines` builds the lines to print; :func:`join_lines_for_daemon` is the
+one call the daemon's banner makes.
 
-It lives in ``node.ops`` (imports nothing of node but the shared :mod:`node.spec`) rather than ``node.cli`` so that ``node.swarm.daemon``
+It lives in ``node.ops`` (imports nothing of node) rather than ``node.cli`` so that ``node.swarm.daemon``
 may call it without breaking the one-way layering (tests/test_layering.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from typing import Iterable, List, Optional, Protocol, Sequence, runtime_checkable
 
-from node.spec import TrainSpec
-
-__all__ = ["training_join_flags", "join_command_lines", "join_lines_for_daemon"]
-
-def training_join_flags(args: argparse.Namespace) -> List[str]:
-    """The ``--train ...`` flags a joiner needs to train in the founder's run (empty without --train)."""
-    return TrainSpec.from_args(args).join_argv()
+__all__ = ["join_command_lines", "join_lines_for_daemon"]
 
 
 def join_command_lines(run_id: str, maddrs: Sequence[str], training_flags: Sequence[str] = (),
@@ -34,7 +27,7 @@ def join_command_lines(run_id: str, maddrs: Sequence[str], training_flags: Seque
                        tokenizer_hash: Optional[str] = None) -> List[str]:
     """One ``skippipe node run ...`` line per reachable address, then hints (indented with ``#``).
 
-    The stage choice is ``--auto`` (the stage with the fewest replicas); a joiner may replace it with
+    The stage choice is ``--auto`` (the bottleneck stage, and movable later); a joiner may replace it with
     ``--stages K``."""
     lines: List[str] = []
     for maddr in maddrs:
@@ -50,7 +43,7 @@ def join_command_lines(run_id: str, maddrs: Sequence[str], training_flags: Seque
     if allow_peers:
         lines.append(f"  # allowlist: add the joiner's peer id to {allow_peers} here first")
     if training_flags:
-        lines.append("  # --auto takes the stage with the fewest replicas; --stages K picks one")
+        lines.append("  # --auto takes the bottleneck stage (and may be moved later); --stages K pins one")
         if tokenizer_hash:
             lines.append(f"  # every member must use the tokenizer with hash {tokenizer_hash}")
     return lines

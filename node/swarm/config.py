@@ -47,8 +47,8 @@ def default_identity_path() -> Path:
 class DaemonConfig:
     """Everything ``skippipe node run`` needs to start a daemon.
 
-    ``stages=None`` means "pick automatically" (``--auto``): the node joins the stage with the
-    fewest online replicas. ``num_stages`` / ``path_length`` / ``microbatches_per_data_node``
+    ``stages=None`` means "pick automatically" (``--auto``): the node joins the bottleneck stage
+    (:func:`node.swarm.handshake.choose_stages`), and the coordinator may move it to another. ``num_stages`` / ``path_length`` / ``microbatches_per_data_node``
     describe the run; a joining node takes them from the swarm it joins (hello handshake), so
     only the founding node's values matter.
     """

@@ -40,7 +40,7 @@ from typing import Awaitable, Callable
 
 from node.net.identity import NodeIdentity, verify_rsa_signature
 from node.swarm.admission import Admission, new_members_allowed
-from node.swarm.replan import ReplanPolicy, planning_compute, replan_reason, worth_switching
+from node.swarm.replan import ReplanPolicy, StageMove, planning_compute, propose_move, replan_reason, worth_switching
 from node.swarm.states import NodeState
 from node.swarm.view import PeerEntry, SwarmView
 from protocol.messages import ScheduleEpoch
@@ -64,6 +64,10 @@ DEFAULT_BANDWIDTH_Bps = 2.0 * 2**30
 #: joiner's adoption (a gossip hop), its stage build and its state download (seconds on a LAN, tens
 #: on a loaded box or a slow link) fit in it, so the swarm rarely waits for the joiner.
 DEFAULT_JOIN_LEAD_S = 30.0
+#: Seconds of training between announcing an epoch that moves a member to another stage and its first
+#: iteration: the mover's process, network and data plane are up, so it only builds the new stage and
+#: downloads that stage's state (about a second for small stages on a LAN; a few on a loaded box).
+DEFAULT_MOVE_LEAD_S = 5.0
 #: How many unadopted epochs a node keeps to re-check once its view catches up.
 MAX_PENDING_EPOCHS = 8
 
@@ -178,6 +182,7 @@ class Coordinator:
         on_adopt: Callable[[ScheduleEpoch], None],
         progress: Callable[[float], int | None] | None = None,
         join_lead_s: float = DEFAULT_JOIN_LEAD_S,
+        move_lead_s: float = DEFAULT_MOVE_LEAD_S,
         admission: Admission | None = None,
         config_digest: str = "",
         replan: ReplanPolicy = ReplanPolicy(),
@@ -196,6 +201,7 @@ class Coordinator:
         #: first iteration a new epoch may start at (the local trainer's view), None if not training
         self._progress = progress
         self.join_lead_s = join_lead_s
+        self.move_lead_s = move_lead_s
         #: who may enter an epoch (None: every ONLINE peer with our configuration digest, as in unit tests)
         self.admission = admission
         self.config_digest = admission.config_digest if admission is not None else config_digest
@@ -255,7 +261,12 @@ class Coordinator:
                 new.sort(key=lambda e: (self.admission.admitted.get(e.peer_id, 0.0), e.peer_id))
                 held = {e.peer_id for e in new[cap:]}
                 online = [e for e in online if e.peer_id not in held]
-        return online, assign_stages(online, self.run.num_stages)
+        assignment = assign_stages(online, self.run.num_stages)
+        movable = [e.peer_id for e in online if e.advert.movable and 0 not in e.advert.stages]
+        if self.current is not None and movable:  # a moved --auto node stays where its epoch put it
+            placed = dict(epoch_membership(self.current))
+            assignment.update({p: placed[p] for p in movable if placed.get(p, 0) > 0})
+        return online, assignment
 
     # ------------------------------------------------------------------ periodic work
     async def tick(self) -> None:
@@ -270,10 +281,14 @@ class Coordinator:
             self._stale_since = None
             self.status = "up to date"
             if self.candidates()[:1] == [self.self_id] and not self._computing:  # the first candidate re-plans
-                reason = self._replan_due(online)
-                if reason and not self._blocked():
+                move = self._move_due(online)
+                reason = None if move else self._replan_due(online)
+                if (move or reason) and not self._blocked():
                     self._replan_checked_at = time.monotonic()
-                    await self.issue(online, assignment, replan=reason)
+                    if move:
+                        await self.issue(online, {**assignment, move.peer: move.to_stage}, move=move)
+                    else:
+                        await self.issue(online, assignment, replan=reason)
             return
         now = time.monotonic()
         if self._stale_since is None or target != self._stale_target:
@@ -330,10 +345,40 @@ class Coordinator:
         return replan_reason(self.replan, planned.compute_s if planned is not None else None,
                              self.member_compute(entries, current.members), time.time() - current.issued_at)
 
+    def _move_due(self, online: list[PeerEntry]) -> StageMove | None:
+        """A movable member to move into the bottleneck stage at the next epoch (:func:`propose_move` over the
+        members' planning compute and the current schedule's microbatches per stage), or None; under the same
+        conditions as a re-plan (policy on, skippipe, measured costs, every member ONLINE, the epoch and the
+        last check at least ``min_interval_s`` old), and only once every member outside stage 0 advertises a
+        speed measured while training."""
+        current, now = self.current, time.monotonic()
+        if (not self.replan.enabled or self.run.schedule_policy != "skippipe" or self.run.location_cost
+                or time.time() - current.issued_at < self.replan.min_interval_s
+                or (self._replan_checked_at is not None and now - self._replan_checked_at < self.replan.min_interval_s)):
+            return None
+        entries = {e.peer_id: e for e in online}
+        if any(m not in entries for m in current.members):
+            return None
+        try:
+            plan = Schedule.from_json(current.schedule)
+        except (ScheduleError, KeyError, TypeError, ValueError):
+            return None
+        stage_of = {current.members[v]: s for s, nodes in enumerate(plan.stages) for v in nodes}
+        if any(entries[p].advert.measured_compute_s_per_sample_per_layer is None for p, s in stage_of.items() if s):
+            return None  # start-up benchmarks are one short run each, skewed by whatever else ran then: no move on them
+        load = [0.0] * len(plan.stages)
+        for path in plan.paths:
+            for s in {stage_of[current.members[v]] for v in path.route}:
+                load[s] += path.microbatches
+        compute = dict(zip(current.members, self.member_compute(entries, current.members)))
+        movable = [p for p in current.members if entries[p].advert.movable]
+        return propose_move(self.replan, stage_of, movable, compute, load)
+
     async def issue(self, online: list[PeerEntry], assignment: dict[str, int],
-                    replan: str | None = None) -> ScheduleEpoch | None:
+                    replan: str | None = None, move: StageMove | None = None) -> ScheduleEpoch | None:
         """Compute, sign, adopt and publish a new epoch for ``online``; ``replan``: why the same members get a new
-        schedule (it is then issued only if it beats the current one by the policy's ``min_gain``)."""
+        schedule (it is then issued only if it beats the current one by the policy's ``min_gain``); ``move``: the
+        stage move ``assignment`` makes (its epoch starts far enough ahead for the mover's state download)."""
         self._computing = True
         try:
             members = tuple(sorted(assignment, key=lambda p: (assignment[p], p)))
@@ -391,19 +436,20 @@ class Coordinator:
                 members=members,
                 schedule=schedule_json,
                 signature=b"",
-                start_iteration=self.start_iteration(members),
+                start_iteration=self.start_iteration(members, moving=move is not None),
             )
             epoch = dataclasses.replace(unsigned, signature=self.identity.sign(unsigned.signing_payload()))
             self.epochs_issued += 1
-            logger.info("issuing schedule epoch %d for %d members%s", number, len(members),
-                        f" (re-plan: {replan})" if replan else "")
+            why = (f" (re-plan: {replan})" if replan else f" (moving {move.peer[-8:]} from stage {move.from_stage} to "
+                   f"the bottleneck stage {move.to_stage}: {move.gain:.2f}x predicted throughput)" if move else "")
+            logger.info("issuing schedule epoch %d for %d members%s", number, len(members), why)
             self._adopt(epoch)
             await self._publish(epoch)
             return epoch
         finally:
             self._computing = False
 
-    def start_iteration(self, members: tuple[str, ...] = ()) -> int:
+    def start_iteration(self, members: tuple[str, ...] = (), moving: bool = False) -> int:
         """Iteration boundary at which a new epoch takes effect on every member.
 
         The local trainer knows the earliest boundary no member has crossed yet (members are at
@@ -411,11 +457,13 @@ class Coordinator:
         so a quick second membership change does not pull the switch forward. When ``members``
         adds peers that are not in the current epoch, the boundary is at least ``join_lead_s``
         of training ahead: a joiner must adopt the epoch and download its stage's state of the
-        iteration before it, and the swarm waits for its gradient norm at the boundary.
+        iteration before it, and the swarm waits for its gradient norm at the boundary. An epoch ``moving``
+        a member to another stage is ``move_lead_s`` ahead: the mover is up already and only builds its
+        new stage and downloads that stage's state.
         0 = not training yet.
         """
         joining = self.current is not None and bool(set(members) - set(self.current.members))
-        lead_s = self.join_lead_s if joining else 0.0
+        lead_s = self.join_lead_s if joining else self.move_lead_s if moving else 0.0
         start = self._progress(lead_s) if self._progress is not None else None
         pending = self.current.start_iteration if self.current is not None else 0
         if start is None:  # not training here: never before the boundary already announced

@@ -73,7 +73,7 @@ from node.swarm.link_prober import PROBE_TIMEOUT_S, LinkProber
 from node.swarm.membership import Membership
 from node.swarm.reachability_watch import ReachabilityWatch
 from node.swarm.rpc_api import members_only
-from node.swarm.wiring import admission_of, coordinator_of, membership_parts, rpc_api_of
+from node.swarm.wiring import admission_of, coordinator_of, membership_parts, move_to_stage, rpc_api_of
 from node.swarm.startup import measure_compute_speed
 from node.swarm.states import NodeLogger, NodeState, Phase
 from node.swarm.view import SwarmView
@@ -249,6 +249,7 @@ class Daemon:
             await asyncio.wait_for(self.membership.announce(), timeout=GOODBYE_TIMEOUT_S)
             self.membership.publish_event("leave")
 
+    move_stage = move_to_stage  # the trainer's hook: the stage the epoch it trains on gives this node
     def peer_alive(self, peer_id: str) -> bool:
         """Membership as the view sees it: an unexpired advert that does not say OFFLINE."""
         if peer_id == self.peer_id:
@@ -280,9 +281,11 @@ class Daemon:
     def link_estimate(self, a: str, b: str) -> tuple[float, float] | None:
         """(one-way latency s, bandwidth B/s) of a measured link, for deadlines; None if unmeasured."""
         stat = self.view.link(a, b) if self.view is not None else None
-        if stat is None:
-            return None
-        return stat.rtt_ms / 2000.0, float(stat.bandwidth_Bps or DEFAULT_BANDWIDTH_Bps)
+        return None if stat is None else (stat.rtt_ms / 2000.0, float(stat.bandwidth_Bps or DEFAULT_BANDWIDTH_Bps))
+
+    def reaches_directly(self, peer_id: str) -> bool:
+        """False when no connection to ``peer_id`` can exist (both behind NAT, no relay: SwarmView.reaches)."""
+        return self.view is None or self.view.reaches(self.reachability.value, peer_id)
 
     def missing_stages(self) -> list[int]:
         """Stages of the run that no live (ONLINE or DRAINING) peer of our view holds."""
@@ -291,12 +294,8 @@ class Daemon:
     def advert(self) -> StageAdvert:
         cfg = self.config
         return StageAdvert(
-            run_id=cfg.run_id,
-            peer_id=self.peer_id,
-            gossip_peer_id=self.gossip.peer_id if self.gossip else "",
-            maddrs=tuple(self.maddrs),
-            gossip_maddrs=tuple(self.gossip_maddrs()),
-            stages=tuple(self.stages),
+            run_id=cfg.run_id, peer_id=self.peer_id, gossip_peer_id=self.gossip.peer_id if self.gossip else "",
+            maddrs=tuple(self.maddrs), gossip_maddrs=tuple(self.gossip_maddrs()), stages=tuple(self.stages),
             state=str(self.state),
             compute_s_per_sample_per_layer=float(self.compute_s_per_sample_per_layer),
             memory_slots=int(cfg.memory_slots),
@@ -305,7 +304,7 @@ class Daemon:
             rpc_port=self.rpc.http_port,
             location=cfg.location,
             timestamp=time.time(),
-            config_digest=self.config_digest, reachability=self.reachability.value,
+            config_digest=self.config_digest, reachability=self.reachability.value, movable=cfg.stages is None,
             measured_compute_s_per_sample_per_layer=measured_compute_of(self.measured_compute, self.log),
         )
 

@@ -19,6 +19,7 @@ from node.net.rpc import RpcCallError, call_p2p
 from node.net.runconfig import summary_differences
 from node.swarm.config import DaemonConfig
 from node.swarm.coordinator import RunConfig
+from node.swarm.replan import auto_stage
 from node.swarm.view import SwarmView
 
 __all__ = ["DEFAULT_NUM_STAGES", "HelloReply", "founding_run_config", "handshake", "check_training_summary",
@@ -120,17 +121,30 @@ async def handshake(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: s
 
 def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
                   log: logging.LoggerAdapter | logging.Logger = logger) -> tuple[int, ...]:
-    """``--stages`` checked against the run, or with ``--auto`` the stage with the fewest live replicas."""
+    """``--stages`` checked against the run, or with ``--auto`` the bottleneck stage (:func:`node.swarm.replan.auto_stage`:
+    with ``--replan on``, by the replicas' measured capacity where they all advertise one; else the fewest live
+    replicas)."""
     if cfg.stages is not None:
         bad = [s for s in cfg.stages if not 0 <= s < run.num_stages]
         if bad:
             raise UserError(f"stage(s) {bad} out of range: run {cfg.run_id!r} has stages 0..{run.num_stages - 1}")
         return tuple(sorted(set(cfg.stages)))
     counts = [0] * run.num_stages
+    capacity = [0.0] * run.num_stages
+    unmeasured = set()  # stages with a replica that advertises no measurement (start-up figures: another scale)
     for entry in view.alive():
+        measured = entry.advert.measured_compute_s_per_sample_per_layer
         for s in entry.advert.stages:
             if 0 <= s < run.num_stages:
                 counts[s] += 1
-    stage = min(range(run.num_stages), key=lambda s: (counts[s], s))
-    log.info("--auto picked stage %d (replicas per stage: %s)", stage, counts)
+                if measured:
+                    capacity[s] += 1.0 / measured
+                else:
+                    unmeasured.add(s)
+    # measured speeds only with re-planning on: daemons sharing a host measure each other's contention (the
+    # reason re-planning is off by default), and the coordinator plans with start-up figures then too
+    measured_all = cfg.replan.enabled and all(counts[s] and s not in unmeasured for s in range(1, run.num_stages))
+    stage = auto_stage(counts, capacity if measured_all else None)
+    log.info("--auto picked stage %d (replicas per stage: %s%s)", stage, counts,
+             ", measured capacity per stage: " + ", ".join(f"{c:.3g}" for c in capacity) if measured_all else "")
     return (stage,)

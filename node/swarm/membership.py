@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 from node.swarm.gossip import GossipMessage
@@ -61,7 +61,7 @@ class MembershipParts:
 
     peer_id: str
     public_key: bytes
-    #: this node's stages (chosen once, when joining)
+    #: this node's stages (chosen when joining; an epoch may move an ``--auto`` node to another)
     stages: tuple
     view: "SwarmView"
     adverts: "AdvertStore"
@@ -108,6 +108,17 @@ class Membership:
         """
         cfg = self.config
         return max(cfg.advert_ttl_s, cfg.heartbeat_s + TTL_STORE_MARGIN * self.last_announce_s)
+
+    async def move_to(self, stages: tuple) -> None:
+        """This node holds ``stages`` from now on (an epoch moved it): announce that now, not a heartbeat later,
+        so ``--auto`` joiners count it there; a failed store is retried by the next heartbeat."""
+        if self.parts is None:
+            return
+        self.parts = replace(self.parts, stages=tuple(stages))
+        try:
+            await self.announce()
+        except Exception as e:  # noqa: BLE001 - the heartbeat announces again
+            self._log.info("announcing the new stage failed (the next heartbeat retries): %r", e)
 
     async def announce(self) -> None:
         p = self.parts

@@ -14,15 +14,24 @@ than :attr:`ReplanPolicy.margin` (relative, so a box that slows down as a whole,
 schedule as it is, never triggers one); the current epoch is at least :attr:`ReplanPolicy.min_interval_s`
 old (so noise can never make epochs churn); and the new schedule's predicted iteration time, under the
 measured costs, beats the current schedule's by :attr:`ReplanPolicy.min_gain` (:func:`worth_switching`).
+
+A stage whose replicas together are too slow for the microbatches routed through it holds up every path that
+visits it, however the microbatches are spread over its replicas. So the same first candidate may also move one
+node that joined with ``--auto`` (it advertises ``movable``) from the stage with the most spare capacity to that
+bottleneck stage (:func:`propose_move`), again only when the predicted throughput improves by more than
+:attr:`ReplanPolicy.move_gain`: a move costs more than a re-plan (the mover drops its stage and downloads the
+other's state), so a move that buys a few percent is never worth it.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-__all__ = ["ReplanPolicy", "planning_compute", "relative_speeds", "departure", "replan_reason", "worth_switching"]
+__all__ = ["ReplanPolicy", "StageMove", "planning_compute", "relative_speeds", "departure", "replan_reason",
+           "worth_switching", "stage_times", "propose_move", "auto_stage"]
 
 
 @dataclass(frozen=True)
@@ -42,10 +51,30 @@ class ReplanPolicy:
     #: the new schedule's predicted iteration must be this many times faster than the current one's under the
     #: same (measured) costs; below that the switch costs about what it buys (the simulator's own error is ~5%)
     min_gain: float = 1.1
+    #: a node moves to another stage only if the swarm's predicted throughput (the slowest stage's time per
+    #: iteration) improves by more than this factor: a move costs a stage build, a state download and an epoch
+    #: switch, and the capacity figures come from medians that move by ~10-30% on a shared box; 1.25 keeps such
+    #: noise from moving a node while a stage that is twice as slow as the next (a 2x gain) draws one at once
+    move_gain: float = 1.25
+    #: a move never leaves a stage with fewer replicas than this: one is what keeps the stage alive, and a move
+    #: that emptied a stage would stop every path through it
+    min_replicas: int = 1
 
     def __post_init__(self) -> None:
-        if not (self.margin > 1 and self.min_interval_s >= 0 and self.min_gain >= 1):
-            raise ValueError("ReplanPolicy needs margin > 1, min_interval_s >= 0 and min_gain >= 1")
+        if not (self.margin > 1 and self.min_interval_s >= 0 and self.min_gain >= 1 and self.move_gain >= 1
+                and self.min_replicas >= 1):
+            raise ValueError("ReplanPolicy needs margin > 1, min_interval_s >= 0, min_gain >= 1, move_gain >= 1 "
+                             "and min_replicas >= 1")
+
+
+@dataclass(frozen=True)
+class StageMove:
+    """One node to move to another stage at the next epoch, and the throughput factor it is predicted to buy."""
+
+    peer: str
+    from_stage: int
+    to_stage: int
+    gain: float
 
 
 def planning_compute(startup: Sequence[float], measured: Sequence[Optional[float]],
@@ -106,3 +135,82 @@ def worth_switching(policy: ReplanPolicy, current_s: float, new_s: float) -> boo
     """Does a schedule predicted at ``new_s`` per iteration beat the current one (``current_s`` under the same
     costs) by the policy's ``min_gain``?"""
     return new_s > 0 and current_s >= new_s * policy.min_gain
+
+
+def stage_times(stage_of: Mapping[str, int], compute: Mapping[str, float], load: Sequence[float]) -> list[float]:
+    """Per stage, the time its replicas together need for the microbatches routed through it (``load[s]``):
+    load / capacity, where a replica's capacity is 1 / its compute time (the same layers per stage, so the unit
+    cancels out when stages are compared). A stage with load and no replica (or no positive compute) is
+    infinitely slow; one without load takes no time."""
+    capacity = [0.0] * len(load)
+    for peer, s in stage_of.items():
+        c = compute.get(peer)
+        if 0 <= s < len(load) and c is not None and c > 0:
+            capacity[s] += 1.0 / float(c)
+    return [0.0 if load[s] <= 0 else (float(load[s]) / capacity[s] if capacity[s] > 0 else math.inf)
+            for s in range(len(load))]
+
+
+def _slowest(times: Sequence[float]) -> tuple[float, int]:
+    """The slowest stage other than stage 0 (the data nodes', whose microbatches are their own data): its time
+    and index (the lowest index on ties); (0, -1) without such a stage."""
+    best, who = 0.0, -1
+    for s in range(1, len(times)):
+        if times[s] > best:
+            best, who = times[s], s
+    return best, who
+
+
+def propose_move(policy: ReplanPolicy, stage_of: Mapping[str, int], movable: Sequence[str] | set,
+                 compute: Mapping[str, float], load: Sequence[float]) -> Optional[StageMove]:
+    """The move of one ``movable`` node into the bottleneck stage that the swarm gains most from, or None.
+
+    ``stage_of``: member -> stage; ``compute``: member -> its compute time (measured where measured);
+    ``load[s]``: microbatches the schedule routes through stage ``s`` per iteration. The bottleneck is the stage
+    (other than 0) whose replicas need the longest for their load; the predicted iteration time is that
+    longest stage time. A candidate is a movable node of another stage other than 0 (data nodes never move)
+    that keeps at least ``min_replicas`` there; the best is the one whose move shortens the predicted time most
+    (ties: from the stage with the most spare capacity, then by peer id), proposed when the throughput gain
+    (old time / new time) exceeds ``move_gain``."""
+    if not policy.enabled:
+        return None
+    times = stage_times(stage_of, compute, load)
+    now, bottleneck = _slowest(times)
+    if bottleneck < 0 or not math.isfinite(now) or now <= 0:
+        return None
+    counts = [0] * len(load)
+    for s in stage_of.values():
+        if 0 <= s < len(load):
+            counts[s] += 1
+    best: Optional[tuple] = None
+    for peer in sorted(set(movable)):
+        s = stage_of.get(peer)
+        c = compute.get(peer)
+        if s is None or s in (0, bottleneck) or not 0 < s < len(load) or counts[s] <= policy.min_replicas \
+                or c is None or not c > 0:
+            continue
+        moved = dict(stage_of)
+        moved[peer] = bottleneck
+        after, _ = _slowest(stage_times(moved, compute, load))
+        if after <= 0:
+            continue
+        key = (now / after, -times[s])  # the gain, then the donor's spare capacity; peers in id order
+        if best is None or key > best[0]:
+            best = (key, StageMove(peer, s, bottleneck, now / after))
+    if best is None or not best[1].gain > policy.move_gain:
+        return None
+    return best[1]
+
+
+def auto_stage(counts: Sequence[int], capacity: Optional[Sequence[float]] = None) -> int:
+    """The stage a node joining with ``--auto`` takes: a stage nobody holds (the lowest), else the bottleneck
+    among the stages other than 0 (a data node brings its own microbatches, so it never relieves one): the
+    least ``capacity`` (summed 1 / compute time of the stage's replicas) where every such stage has one, the
+    fewest replicas otherwise (ties: the lowest stage)."""
+    empty = [s for s, n in enumerate(counts) if n <= 0]
+    if empty:
+        return empty[0]
+    stages = list(range(1, len(counts))) or [0]
+    if capacity is not None and len(capacity) == len(counts) and all(capacity[s] > 0 for s in stages):
+        return min(stages, key=lambda s: (capacity[s], s))
+    return min(stages, key=lambda s: (counts[s], s))

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from node.swarm.states import HOLDING_STATES, NodeState
-from protocol.messages import PEER_STATE_ORDER, LinkReport, MembershipEvent, StageAdvert
+from protocol.messages import PEER_STATE_ORDER, LinkReport, MembershipEvent, Reachability, StageAdvert
+from scheduler.reachability import LinkKind, link_kind
 
 __all__ = ["PeerEntry", "LinkStat", "SwarmView", "STATES"]
 
@@ -173,6 +174,14 @@ class SwarmView:
 
     def get(self, peer_id: str) -> PeerEntry | None:
         return self.peers.get(peer_id)
+
+    def reaches(self, own: str, peer_id: str) -> bool:
+        """Whether a node of reachability ``own`` and ``peer_id`` can be connected at all (directly or
+        through a relay; :func:`scheduler.reachability.link_kind`). A peer we know nothing of counts as
+        reachable, as an ``unknown`` reachability does."""
+        entry = self.peers.get(peer_id)
+        theirs = entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
+        return link_kind(own, theirs) is not LinkKind.IMPOSSIBLE
 
     def by_gossip_id(self, gossip_id: str) -> PeerEntry | None:
         for entry in self.peers.values():

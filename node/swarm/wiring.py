@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from node.swarm.host import SwarmHost
     from protocol.messages import ScheduleEpoch
 
-__all__ = ["admission_of", "coordinator_of", "membership_parts", "rpc_api_of"]
+__all__ = ["admission_of", "coordinator_of", "membership_parts", "move_to_stage", "rpc_api_of"]
 
 
 def membership_parts(daemon: "SwarmHost") -> MembershipParts:
@@ -26,6 +26,17 @@ def membership_parts(daemon: "SwarmHost") -> MembershipParts:
         peer_id=daemon.peer_id, public_key=daemon.identity.public_key_bytes, stages=daemon.stages, view=daemon.view,
         adverts=daemon.adverts, run=daemon.run, gossip=daemon.gossip, coordinator=daemon.coordinator,
         admission=daemon.admission)
+
+
+async def move_to_stage(daemon: "SwarmHost", stage: int) -> None:
+    """The epoch this node trains on gives it ``stage``: a node that joined with ``--auto`` (its advert says
+    ``movable``) advertises that stage from now on, at once, when it is a new one; a node given ``--stages``
+    keeps its advert (it may hold several, of which the coordinator assigns one)."""
+    if daemon.config.stages is not None or tuple(daemon.stages) == (int(stage),):
+        return
+    daemon.stages = (int(stage),)
+    if daemon.membership is not None:
+        await daemon.membership.move_to(daemon.stages)
 
 
 def coordinator_of(daemon: "SwarmHost", on_adopt: Callable[["ScheduleEpoch"], None]) -> Coordinator:

@@ -181,12 +181,9 @@ class RunAgreement:
         winners = order[0]
         if me not in winners:
             raise TrainingDisagreement(self._why(found[winners[0]], epoch, start, winners[0]))
-        leave_out = getattr(self.host, "leave_out", None)
         losers = sorted(p for g in order[1:] for p in g)
-        if leave_out is None:  # a host that cannot leave members out: nobody may train a split run
-            raise TrainingDisagreement(self._why(found[losers[0]], epoch, start, losers[0]))
         for peer in losers:
-            leave_out(peer, self._why(found[peer], epoch, start, peer))
+            self.host.leave_out(peer, self._why(found[peer], epoch, start, peer))
         raise RepinEpoch(f"left {[p[-8:] for p in losers]} out of the run: they pinned another run "
                          f"({self._why(found[losers[0]], epoch, start, losers[0])})")
 

@@ -133,7 +133,7 @@ class IterationCommit:
             return
         msg = norm_report(self.cfg.run_id, it, self.peer_id, record)
         for peer in self.epochs.members:
-            if peer != self.peer_id and self.health.is_alive(peer):
+            if peer != self.peer_id and self.health.is_alive(peer) and self.health.reaches(peer):
                 self.sender.send_control(peer, msg)
 
     def _write_record(self, it: int, record: NormRecord) -> None:
@@ -337,7 +337,8 @@ class IterationCommit:
         self._write_record(it, record)
         now = time.monotonic()
         deadline = now + self.cfg.norm_exchange_timeout_s
-        next_read = now + self.cfg.norm_direct_grace_s
+        indirect = not all(self.health.reaches(p) for p in self.epochs.members)  # its numbers: DHT only
+        next_read = now + (self.cfg.norm_poll_s if indirect else self.cfg.norm_direct_grace_s)
         from_dht: Dict[str, NormRecord] = {}
         poll = self.cfg.norm_poll_s
         while True:

@@ -28,6 +28,7 @@ __all__ = [
     "JoinFailed",
     "NodeKilled",
     "LeftSchedule",
+    "StageMoved",
     "Lifecycle",
     "IterationState",
     "Pending",
@@ -165,6 +166,15 @@ class NodeKilled(RuntimeError):
 
 class LeftSchedule(RuntimeError):
     """The epoch that starts now no longer includes this node (it drained or was dropped)."""
+
+
+class StageMoved(LeftSchedule):
+    """The epoch that starts now moves this node to another stage: it leaves its old stage here and joins the new
+    one at ``epoch.start_iteration`` with that stage's verified state, as a joiner does."""
+
+    def __init__(self, message: str, epoch, old_stage: int, new_stage: int):
+        super().__init__(message)
+        self.epoch, self.old_stage, self.new_stage = epoch, old_stage, new_stage
 
 
 class Lifecycle(enum.Enum):

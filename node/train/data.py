@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from node.errors import UserError
+from node.spec import DEFAULT_MICROBATCH_SIZE
 from node.train.corpus import CORPORA, check_corpus, corpus_identity, default_tokenizer_cache_path, iter_documents
 from node.train.tokenizer import (DEFAULT_BPE_VOCAB, ByteTokenizer, HFTokenizer, TokenizerSpec, load_tokenizer_file,
                                   parse_tokenizer_spec, train_bpe)
@@ -80,7 +81,7 @@ class DataConfig:
     tokenizer: str = "byte"
     bpe_vocab_size: int = DEFAULT_BPE_VOCAB
     seq_len: int = 64
-    microbatch_size: int = 8  # sequences per microbatch
+    microbatch_size: int = DEFAULT_MICROBATCH_SIZE  # sequences per microbatch
     val_fraction: float = DEFAULT_VAL_FRACTION
     seed: int = 0
     text_field: str = "text"

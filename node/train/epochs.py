@@ -14,7 +14,7 @@ import logging
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from node.errors import UserError
-from node.train.common import LeftSchedule, NodeLog
+from node.train.common import LeftSchedule, NodeLog, StageMoved
 from scheduler.errors import ScheduleError
 from scheduler.schedule import Schedule
 
@@ -139,9 +139,11 @@ class EpochTracker:
         return max(due, key=lambda e: e.epoch) if due else None
 
     def switch(self, iteration: int) -> bool:
-        """Bind the newest epoch due at ``iteration`` (same stage only); False when none is due.
+        """Bind the newest epoch due at ``iteration``; False when none is due.
 
-        Raises :class:`LeftSchedule` when that epoch leaves this node out."""
+        Raises :class:`LeftSchedule` when that epoch leaves this node out, and :class:`StageMoved` (without
+        binding it) when it puts this node in another stage: this stage's state is no use there, so the trainer
+        is rebuilt on the new stage and joins it with that stage's state."""
         epoch = self.due(iteration)
         if epoch is None:
             return False  # nothing new, or announced for a later boundary: every member switches there
@@ -152,8 +154,8 @@ class EpochTracker:
         if self.stage != old_stage:
             new_stage = self.stage
             self.bind(old)
-            raise UserError(f"epoch {epoch.epoch} moves this node from stage {old_stage} to {new_stage}; "
-                            "changing stage needs a state transfer (not supported yet)")
+            raise StageMoved(f"schedule epoch {epoch.epoch} moves this node from stage {old_stage} to {new_stage} "
+                             f"at iteration {iteration}", epoch, old_stage, new_stage)
         return True
 
     def to_announce(self, iteration: int) -> List[bytes]:

@@ -49,12 +49,15 @@ class PeerHealth:
     """Liveness and suspicion of the other members, as one node sees them."""
 
     def __init__(self, peer_id: str, *, alive: Optional[Callable[[str], bool]], self_alive: Callable[[], bool],
-                 ban_s: float, ban_max_s: float, metrics=None, node_name: Optional[str] = None):
+                 ban_s: float, ban_max_s: float, metrics=None, node_name: Optional[str] = None,
+                 reaches: Optional[Callable[[str], bool]] = None):
         """``alive(peer)``: the host's membership oracle; None = every member counts as alive until a
-        send to it fails. ``self_alive()``: False once this node was killed."""
+        send to it fails. ``self_alive()``: False once this node was killed. ``reaches(peer)``: False where
+        no connection between us can exist (both behind NAT, no relay); None = every peer can be reached."""
         self.peer_id = peer_id
         #: the host's membership oracle; replaceable (tests hide a live peer from one node's view)
         self.oracle = alive
+        self._reaches = reaches
         self._self_alive = self_alive
         self.ban_s, self.ban_max_s = ban_s, ban_max_s
         self.metrics = metrics
@@ -69,6 +72,12 @@ class PeerHealth:
         if peer == self.peer_id:
             return self._self_alive()
         return self.oracle(peer) if self.oracle is not None else True
+
+    def reaches(self, peer: str) -> bool:
+        """Whether a message to ``peer`` can arrive at all. A control message (a norm report, an iteration's
+        end) to a peer it cannot reach is not sent: the send could only fail and blame the peer for our
+        network; what it says is in the DHT records, which the peer reads instead."""
+        return self._reaches is None or peer == self.peer_id or self._reaches(peer)
 
     def suspected(self, peer: str) -> bool:
         entry = self._bans.get(peer)

@@ -75,6 +75,13 @@ class TrainerHost(Protocol):
     training_progress: Optional[Callable[[float], Optional[int]]]
     #: called with every schedule epoch the host adopts
     on_schedule_epoch: List[Callable[[Any], Any]]
+    #: the hooks a trainer service gives its host (:meth:`node.train.service.TrainerService.attach`): the
+    #: committed iteration (admission answers), why the coordinator must not issue an epoch now (None: it may),
+    #: whether a node that is not training yet could train if named, and the measured compute speed (adverts)
+    training_iteration: Optional[Callable[[], Optional[int]]]
+    coordination_blocker: Optional[Callable[[], Optional[str]]]
+    training_ready: Optional[Callable[[], bool]]
+    measured_compute: Optional[Callable[[], Optional[float]]]
 
     @property
     def current_epoch(self) -> Any: ...  # the adopted protocol.ScheduleEpoch, or None
@@ -92,6 +99,17 @@ class TrainerHost(Protocol):
     def link_estimate(self, a: str, b: str) -> Optional[Tuple[float, float]]: ...
 
     def is_peer_allowed(self, peer_id: str) -> bool: ...
+
+    def reaches_directly(self, peer_id: str) -> bool: ...
+
+    def leave_out(self, peer_id: str, reason: str) -> None:
+        """Never admit ``peer_id`` into an epoch again (it pinned another run at the start barrier)."""
+        ...
+
+    async def move_stage(self, stage: int) -> None:
+        """The epoch this node is about to train on gives it ``stage``: a host whose stage was chosen with
+        ``--auto`` advertises that stage from now on (one given ``--stages`` keeps its advert)."""
+        ...
 
     async def report_failure(self, reason: str) -> None:
         """This member cannot train (e.g. its checkpoint failed verification): the host stops advertising it

@@ -80,7 +80,7 @@ class RouteRecovery:
         st.remaining = len(self._routes)
         self._hedges_left = hedges_allowed(st.remaining, self.cfg.hedging)
         if st.remaining == 0:
-            for peer in epochs.members:
+            for peer in filter(self.health.reaches, epochs.members):
                 self.sender.send_control(peer, IterationDone(self.cfg.run_id, epochs.epoch.epoch, it, self.peer_id, {}, 0))
         for j in range(len(self._routes)):
             route = tuple(epochs.members[n] for n in self._routes[j]) + (self.peer_id,)
@@ -96,7 +96,7 @@ class RouteRecovery:
             done = IterationDone(self.cfg.run_id, self.epochs.epoch.epoch, self.progress.current, self.peer_id,
                                  dict(st.visits), st.dropped)
             for peer in self.epochs.members:
-                if self.health.is_alive(peer):
+                if self.health.is_alive(peer) and self.health.reaches(peer):  # the others learn it from the norms
                     self.sender.send_control(peer, done)
 
     def budget_s(self, route) -> float:

@@ -32,7 +32,7 @@ import collections
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Deque, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, List, Mapping, Optional, Tuple
 
 from node.dataplane.guard import CONTENT_FAULTS, NON_FINITE
 from node.train.common import mb_key
@@ -40,7 +40,7 @@ from node.train.common import mb_key
 if TYPE_CHECKING:
     from node.net.records import NormRecord
 
-__all__ = ["NormVerdict", "robust_squared_norm", "AveragingScreen", "on_rejected_frame", "screening_summary",
+__all__ = ["NormVerdict", "robust_squared_norm", "AveragingScreen", "FrameRejections", "screening_summary",
            "ABSURD_SQ_FACTOR", "MIN_OTHER_REPORTS", "AVERAGED_NORM_FACTOR", "AVERAGED_HISTORY", "HONEST_OVERFLOW_WIRES"]
 
 #: A report's squared norm may be at most this many times the median of the other members' reports
@@ -135,41 +135,45 @@ class AveragingScreen:
                 self._recent.popleft()
 
 
-class RejectionHost(Protocol):
-    """What :func:`on_rejected_frame` reads of the trainer (a typed seam, so this module does not import it)."""
+@dataclass(frozen=True)
+class FrameRejections:
+    """The data plane's callback for a frame its guard refused (``DataPlane(on_rejected=...)``): a member's
+    poisoned hop is its fault, and its microbatch fails now (the data node re-routes it around the sender)
+    instead of at its deadline.
+
+    ``cfg``: the trainer's configuration (run id, wire); ``epochs``: its epoch tracker (who is a member);
+    ``life``: :class:`node.train.progress.LifeView`; ``health``, ``resources``, ``sender``, ``recovery``: the
+    trainer's peer health, stage resources (the runtime), hop sender and route recovery."""
 
     cfg: object
     peer_id: str
-    members: Tuple[str, ...]
-    killed: bool
-    closed: bool
-    health: object  # node.train.health.PeerHealth
-    runtime: object  # node.train.runtime.StageRuntime, or None before set-up
-    sender: object  # node.train.sender.HopSender
-    recovery: object  # node.train.recovery.RouteRecovery
+    epochs: object
+    life: object
+    health: object
+    resources: object
+    sender: object
+    recovery: object
 
+    def __call__(self, msg: object, sender: str, reason: str, detail: str) -> None:
+        from protocol import ActivationMessage, GradientMessage, HopFailure
 
-def on_rejected_frame(node: RejectionHost, msg: object, sender: str, reason: str, detail: str) -> None:
-    """Data-plane callback for a frame the guard refused: a member's poisoned hop is its fault, and
-    its microbatch fails now (the data node re-routes it around the sender) instead of at its deadline."""
-    from protocol import ActivationMessage, GradientMessage, HopFailure
-
-    if reason not in CONTENT_FAULTS or not isinstance(msg, (ActivationMessage, GradientMessage)):
-        return
-    if node.killed or node.closed or sender not in node.members or msg.mb.run_id != node.cfg.run_id:
-        return  # an outsider's garbage is the allowlist's and the guard's business, not a route's
-    if reason == NON_FINITE and node.cfg.wire in HONEST_OVERFLOW_WIRES:
-        return  # an honest fp16 overflow looks the same: that microbatch is lost, its sender not blamed
-    forward = isinstance(msg, ActivationMessage)
-    kind = "activation" if forward else "gradient"
-    node.health.fault(sender, f"{reason} {kind}: {detail}")
-    if not forward and node.runtime is not None:
-        node.runtime.drop(mb_key(msg.mb))  # its autograd state would wait for a gradient that never comes
-    report = HopFailure(msg.mb, msg.hop - 1 if forward else msg.hop + 1, sender, f"{reason} {kind} from the sender")
-    if msg.mb.data_node == node.peer_id:
-        node.recovery.on_hop_failure(report)
-    else:
-        node.sender.send_control(msg.mb.data_node, report)
+        if reason not in CONTENT_FAULTS or not isinstance(msg, (ActivationMessage, GradientMessage)):
+            return
+        if self.life.closed or sender not in self.epochs.members or msg.mb.run_id != self.cfg.run_id:
+            return  # an outsider's garbage is the allowlist's and the guard's business, not a route's
+        if reason == NON_FINITE and self.cfg.wire in HONEST_OVERFLOW_WIRES:
+            return  # an honest fp16 overflow looks the same: that microbatch is lost, its sender not blamed
+        forward = isinstance(msg, ActivationMessage)
+        kind = "activation" if forward else "gradient"
+        self.health.fault(sender, f"{reason} {kind}: {detail}")
+        runtime = self.resources.runtime
+        if not forward and runtime is not None:
+            runtime.drop(mb_key(msg.mb))  # its autograd state would wait for a gradient that never comes
+        report = HopFailure(msg.mb, msg.hop - 1 if forward else msg.hop + 1, sender, f"{reason} {kind} from the sender")
+        if msg.mb.data_node == self.peer_id:
+            self.recovery.on_hop_failure(report)
+        else:
+            self.sender.send_control(msg.mb.data_node, report)
 
 
 def screening_summary(*, dataplane, health, commit, faults) -> dict:

@@ -31,6 +31,7 @@ from node.net.records import rejected_counts
 from node.train.agreement import RepinEpoch, RunAgreement, training_summary
 from node.train.checkpoint import CheckpointDiskFull
 from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
+from node.train.epochs import parse_schedule, stage_index
 from node.train.host import TrainerHost
 from node.train.proof import StageAccess, StageProof, held_sketch, proof_for
 from node.train.staleness import run_unless_stale
@@ -101,6 +102,26 @@ def drain_pointless(daemon, trainer) -> Optional[str]:
     if not any(0 in e.advert.stages for e in online):
         return "no other ONLINE data node to coordinate"
     return None
+
+
+async def follow_stage_move(host: TrainerHost, trainer, epoch) -> None:
+    """Tell ``host`` the stage ``epoch`` (the one this node is about to train on) gives it: an ``--auto`` node
+    advertises the stage it trains, wherever an epoch moved it (the host keeps the advert of a node given
+    ``--stages``). After ``trainer`` left because the epoch moved it (:class:`StageMoved`), the trainer built on
+    ``epoch`` joins the new stage as a joiner does: its data plane up first, then the stage's verified state of
+    the iteration before the epoch's first, from that stage's replicas; if that download fails, the join fails
+    as a joiner's does (this node waits for a later epoch, the others train on). The old stage's checkpoint is
+    kept as it is: checkpoints are kept per stage, so it stays a complete file of that stage at the last
+    iteration this node committed there, which a ``--resume`` on that stage can still use; the new stage
+    checkpoints to its own file."""
+    me = str(host.peer_id)
+    stage = stage_index(parse_schedule(epoch.schedule)).get(epoch.members.index(me)) if me in epoch.members else None
+    if stage is None:
+        return
+    if trainer is not None and trainer.moved is not None:
+        trainer.log.info("moving from stage %d to stage %d (schedule epoch %d, from iteration %d)",
+                         trainer.moved.old_stage, stage, epoch.epoch, int(epoch.start_iteration))
+    await host.move_stage(stage)
 
 
 class TrainerService:
@@ -336,13 +357,13 @@ class TrainerService:
         None when training is over (done, stopped, draining)."""
         from node.train.trainer import TrainerNode
 
-        self.epoch, self.state = epoch, ServiceState.AGREEING
-        self.agreement.waiting = None
+        self.epoch, self.state, self.agreement.waiting = epoch, ServiceState.AGREEING, None
         self.log.info("training pins schedule epoch %d (%d members)", epoch.epoch, len(epoch.members))
         for peer in epoch.members:
             if peer != str(daemon.peer_id) and not await daemon.ensure_connected(peer):
                 self.log.warning("cannot connect to schedule member %s yet", peer[-8:])
         join_at = int(epoch.start_iteration) or None
+        await follow_stage_move(daemon, self.trainer, epoch)
         past_end = join_at is not None and join_at >= self.iterations
         if past_end or await self.agreement.run_finished():
             # the coordinator plans for membership changes even after the run's last iteration, so a
@@ -363,7 +384,7 @@ class TrainerService:
         self.trainer = TrainerNode(
             p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=lambda: pinned, config=self.config,
             node_name=self.node_name, on_iteration=self._on_iteration, emulation=self._emulation(daemon),
-            alive=daemon.peer_alive, faults=self.faults, on_kill=_kill_own_process_group,
+            alive=daemon.peer_alive, reaches=daemon.reaches_directly, faults=self.faults, on_kill=_kill_own_process_group,
             link_estimate=daemon.link_estimate, allow=StageAccess(daemon), metrics=daemon.metrics,
             join_at=join_at, verify_epoch=daemon.verify_epoch, fetch_epochs=daemon.fetch_epochs)
         if not first and self._history_before:

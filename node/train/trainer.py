@@ -36,7 +36,7 @@ from node.net.records import finished_key, norm_key, start_key
 from node.train.averaging import StageAverager
 from node.train.build import data_shard, hop_deadlines, microbatch_guard, rebuild_averager
 from node.train.common import (IterationState, IterationStats, JoinFailed, LeftSchedule, Lifecycle, NodeKilled,
-                               NodeLog, TrainerConfig, TrainingStalled, arrival_time)
+                               NodeLog, StageMoved, TrainerConfig, TrainingStalled, arrival_time)
 from node.train.commit import IterationCommit
 from node.train.data import TokenSplits
 from node.train.epochs import EpochSource, EpochTracker
@@ -46,7 +46,7 @@ from node.train.pipeline import MicrobatchPipeline
 from node.train.progress import IterationProgress, LifeView, StageResources, begun_elsewhere
 from node.train.recovery import RouteRecovery
 from node.train.runtime import StageRuntime
-from node.train.screening import on_rejected_frame, screening_summary
+from node.train.screening import FrameRejections, screening_summary
 from node.train.sender import HopSender
 from node.train.state import StageState
 from node.train.timing import deadline_links, measure_forward_s
@@ -102,7 +102,7 @@ class TrainerNode:
                  alive: Optional[Callable[[str], bool]] = None, faults=None,
                  on_kill: Optional[Callable[[], None]] = None, link_estimate=None,
                  allow: Optional[Callable[[str], bool]] = None, metrics=None, join_at: Optional[int] = None,
-                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None):
+                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None, reaches=None):
         """``alive(peer)``: membership oracle (the daemon's view: advert not expired, not OFFLINE); None =
         every member counts as alive until a send to it fails. ``faults``: optional
         :class:`node.train.faults.FaultInjector`. ``on_kill``: what an injected kill does (default: crash this
@@ -110,7 +110,7 @@ class TrainerNode:
         ``join_at``: join a run in progress at this iteration, downloading the stage's state first.
         ``verify_epoch(epoch)``: signature check of epochs learnt from members' records (None: trust
         members); ``async fetch_epochs()``: the signed epochs stored in the DHT, for a node that fell
-        behind an epoch switch. ``metrics``: a :class:`node.train.host.TrainingMetrics`."""
+        behind an epoch switch. ``metrics``: a :class:`node.train.host.TrainingMetrics`. ``reaches``: see PeerHealth."""
         self.p2p, self.dht, self.peer_id = p2p, dht, str(peer_id)
         self.emulation = emulation  # optional node.dataplane.emulation.Emulation (WAN/compute emulation); None = off
         self.cfg = config
@@ -130,13 +130,14 @@ class TrainerNode:
         self.lifecycle = Lifecycle.RUNNING
         self._shutdown_started: Optional[float] = None  # monotonic time shutdown() began: resources go once
         self.left: Optional[str] = None
+        self.moved: Optional[StageMoved] = None  # set when run() ended because an epoch moves this node's stage
         self.health = PeerHealth(self.peer_id, alive=alive, self_alive=lambda: not self.killed, ban_s=config.ban_s,
-                                 ban_max_s=config.ban_max_s, metrics=metrics, node_name=self.node_name)
+                                 ban_max_s=config.ban_max_s, metrics=metrics, node_name=self.node_name, reaches=reaches)
         self.epochs = EpochTracker(self.peer_id, config.run_id, epoch, verify=verify_epoch, fetch=fetch_epochs,
                                    node_name=self.node_name)
         self.progress = IterationProgress(lambda: self.epochs.data_node_peers, self.health.is_alive)
         self.sender = HopSender(self.health, killed=lambda: self.killed)
-        life = LifeView(lambda: self.lifecycle, kill=self.kill)
+        self.life = life = LifeView(lambda: self.lifecycle, kill=self.kill)
         # each part gets what it uses; none holds the trainer
         common = dict(peer_id=self.peer_id, node_name=self.node_name, epochs=self.epochs, progress=self.progress)
         self.pipeline = MicrobatchPipeline(
@@ -299,16 +300,14 @@ class TrainerNode:
     async def _start_dataplane(self) -> None:
         from node.dataplane.transport import DataPlane
 
-        kwargs = {}
-        if self._allow is not None:
-            kwargs["allow"] = self._allow
-        if self.metrics is not None:
-            kwargs["metrics"] = self.metrics
+        kwargs = {k: v for k, v in (("allow", self._allow), ("metrics", self.metrics)) if v is not None}
         kwargs["guard"] = microbatch_guard(self.cfg, self.epochs, self.peer_id, self.progress)
+        rejected = FrameRejections(self.cfg, self.peer_id, self.epochs, self.life, self.health, self.resources,
+                                   self.sender, self.recovery)
         self.sender.dataplane = DataPlane(self.p2p, self.cfg.run_id, self.on_message,
                                    emulator=self.emulation.link_emulator if self.emulation is not None else None,
                                    wire=self.cfg.wire,  # the run's codec for hop tensors
-                                   on_rejected=lambda *a: on_rejected_frame(self, *a), **kwargs)
+                                   on_rejected=rejected, **kwargs)
         await self.sender.dataplane.start()
 
     def _make_shard(self) -> None:
@@ -328,7 +327,7 @@ class TrainerNode:
         self.epochs.follow(source)
 
     async def _maybe_switch_epoch(self) -> None:
-        """Apply the newest schedule epoch once its start iteration is reached (same stage only)."""
+        """Apply the newest schedule epoch once its start iteration is reached (a stage move raises StageMoved)."""
         if not self.epochs.switch(self.current_iteration):
             return
         if self.runtime is not None:
@@ -445,7 +444,7 @@ class TrainerNode:
             try:
                 out.append(await self.run_iteration())
             except LeftSchedule as e:
-                self.left = str(e)
+                self.left, self.moved = str(e), e if isinstance(e, StageMoved) else None
                 self.log.info("leaves training: %s", e)
                 break
         return out

@@ -101,36 +101,36 @@ def test_faults_ban_after_a_few():
     assert health.fault(DOWN, "poisoned a round", ban_now=True) and not health.usable(DOWN)
 
 
-class _FakeNode:
-    """The parts of a TrainerNode that on_rejected_frame touches."""
+def _rejections(wire: str = "fp32"):
+    """A FrameRejections over stand-in parts of a trainer; returns it and the parts the test reads."""
+    from types import SimpleNamespace
 
-    def __init__(self, wire: str = "fp32"):
-        from types import SimpleNamespace
+    from node.train.screening import FrameRejections
 
-        self.peer_id, self.members, self.killed, self.closed = ME, (DATA, UP, ME, DOWN), False, False
-        self.cfg = SimpleNamespace(run_id=RUN, wire=wire)
-        self.health = PeerHealth(ME, alive=None, self_alive=lambda: True, ban_s=30.0, ban_max_s=300.0)
-        self.dropped, self.sent = [], []
-        self.runtime = SimpleNamespace(drop=self.dropped.append)
-        self.sender = SimpleNamespace(send_control=lambda peer, msg: self.sent.append((peer, msg)))
+    parts = SimpleNamespace(dropped=[], sent=[])
+    parts.health = PeerHealth(ME, alive=None, self_alive=lambda: True, ban_s=30.0, ban_max_s=300.0)
+    on_rejected = FrameRejections(
+        cfg=SimpleNamespace(run_id=RUN, wire=wire), peer_id=ME, epochs=SimpleNamespace(members=(DATA, UP, ME, DOWN)),
+        life=SimpleNamespace(closed=False), health=parts.health,
+        resources=SimpleNamespace(runtime=SimpleNamespace(drop=parts.dropped.append)),
+        sender=SimpleNamespace(send_control=lambda peer, msg: parts.sent.append((peer, msg))), recovery=None)
+    return on_rejected, parts
 
 
 def test_a_members_poisoned_hop_is_its_fault_and_fails_the_microbatch_at_once():
-    from node.train.screening import on_rejected_frame
-
-    node = _FakeNode()
-    on_rejected_frame(node, _act(0, torch.zeros(SHAPE)), UP, "out_of_range", "RMS 1e6")
-    on_rejected_frame(node, _grad(1, torch.zeros(SHAPE)), DOWN, "non_finite", "NaN")
+    on_rejected, node = _rejections()
+    on_rejected(_act(0, torch.zeros(SHAPE)), UP, "out_of_range", "RMS 1e6")
+    on_rejected(_grad(1, torch.zeros(SHAPE)), DOWN, "non_finite", "NaN")
     (to0, fail0), (to1, fail1) = node.sent
     assert (to0, fail0.peer_id, fail0.hop) == (DATA, UP, 1)  # the sender's hop, told to the data node
     assert (to1, fail1.peer_id, fail1.hop) == (DATA, DOWN, 3)
     assert len(node.dropped) == 1  # the gradient's autograd state is freed at once
     assert node.health.faults_total == {UP: 1, DOWN: 1}
     # not a fault: a late frame, an outsider's poison, an fp16 overflow
-    on_rejected_frame(node, _act(2, torch.zeros(SHAPE)), UP, "stale_iteration", "")
-    on_rejected_frame(node, _act(3, torch.zeros(SHAPE)), "outsider", "non_finite", "")
-    fp16 = _FakeNode(wire="fp16")
-    on_rejected_frame(fp16, _act(4, torch.zeros(SHAPE)), UP, "non_finite", "")
+    on_rejected(_act(2, torch.zeros(SHAPE)), UP, "stale_iteration", "")
+    on_rejected(_act(3, torch.zeros(SHAPE)), "outsider", "non_finite", "")
+    on_fp16, fp16 = _rejections(wire="fp16")
+    on_fp16(_act(4, torch.zeros(SHAPE)), UP, "non_finite", "")
     assert len(node.sent) == 2 and not fp16.sent and not fp16.health.faults_total
 
 

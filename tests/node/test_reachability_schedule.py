@@ -53,3 +53,13 @@ async def test_no_epoch_when_every_path_would_need_an_impossible_link(identities
                                RunConfig(3, 3, 4, "skippipe"), published)
     await coordinator.tick()
     assert published == [] and "reachability" in coordinator.status, coordinator.status
+
+
+def test_view_says_which_peers_no_connection_can_reach(identities):
+    # what the trainer asks before it sends a control message (node.train.health.PeerHealth.reaches)
+    ids = [i.peer_id.to_base58() for i in identities]
+    view = _view(identities, {3: OUT, 5: "relayed"})
+    assert not view.reaches(OUT, ids[3])  # both behind NAT, no relay: no connection can exist
+    assert view.reaches("direct", ids[3]) and view.reaches(OUT, ids[4])  # either side dialable
+    assert view.reaches(OUT, ids[5])  # through the relay it holds
+    assert view.reaches(OUT, "a-peer-we-never-heard-of")  # unknown counts as dialable

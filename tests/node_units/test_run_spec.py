@@ -163,3 +163,10 @@ def test_every_run_flag_is_declared_once_for_node_run_up_and_swarm_local():
             assert action.choices == (None if flag.choices is None else list(flag.choices)), (path, action.dest)
             assert action.default == getattr(defaults, action.dest), (path, action.dest)
             assert action.help and "{default}" not in action.help, (path, action.dest)
+
+
+def test_model_choices_are_the_model_sizes():
+    # written out in node/cli/run_args.py so that parsing a command line does not import torch
+    from node.train.model import MODEL_SIZES
+
+    assert MODEL_SIZE_NAMES == tuple(MODEL_SIZES)

@@ -112,6 +112,7 @@ MESSAGE_STRATEGIES: dict[type, st.SearchStrategy] = {
         location=st.none() | ids,
         timestamp=floats,
         measured_compute_s_per_sample_per_layer=st.none() | st.floats(1e-9, 3600.0),
+        movable=st.booleans(),
     ),
     MembershipEvent: st.builds(
         MembershipEvent,

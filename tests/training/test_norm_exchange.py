@@ -31,7 +31,8 @@ class FakeNode:
         self.sent = []
         self.suspected = []
         dead = set(dead)
-        self.health = SimpleNamespace(is_alive=lambda p: p not in dead,
+        self.unreachable = set()  # peers no connection can reach (both behind NAT)
+        self.health = SimpleNamespace(is_alive=lambda p: p not in dead, reaches=lambda p: p not in self.unreachable,
                                       suspect=lambda p, why: self.suspected.append(p))
         self.pipeline = SimpleNamespace(send_control=lambda peer, msg: self.sent.append((peer, msg)))
         self.epochs = SimpleNamespace(to_announce=lambda it: [], learn=lambda records: list(records),
@@ -127,6 +128,26 @@ def test_a_missing_report_is_read_from_the_dht_after_the_grace(dht):
     got = asyncio.run(main())
     assert got == {ME: mine, A: a, B: b}  # the outsider's DHT record is left out
     assert dht.reads >= 1 and c.norms_from_dht == 1
+
+
+def test_a_member_no_connection_can_reach_is_read_from_the_dht_at_once(dht):
+    """Two nodes behind NAT with no relay cannot exchange reports: none is sent (a send would only fail and
+    blame the peer), and its numbers are read from the DHT without waiting out the direct grace."""
+    cfg = TrainerConfig(run_id=RUN, norm_direct_grace_s=60.0, norm_poll_s=0.01)
+    node = FakeNode(cfg)
+    node.unreachable.add(B)
+    c = commit_for(node)
+    mine, a, b = _record(0, 1.0), _record(1, 4.0), _record(2, 2.0)
+    dht.records = {ME: mine, A: a, B: b}
+
+    async def main():
+        task = asyncio.create_task(c._exchange_norms(5, mine))
+        c.on_norm_report(norm_report(RUN, 5, A, a), A)
+        return await asyncio.wait_for(task, 5)  # far inside the 60 s grace
+
+    got = asyncio.run(main())
+    assert got == {ME: mine, A: a, B: b} and c.norms_from_dht == 1
+    assert [p for p, _ in node.sent] == [A] and node.suspected == []
 
 
 def test_same_result_direct_or_from_the_dht(dht):

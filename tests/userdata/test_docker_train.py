@@ -6,7 +6,7 @@ import pathlib
 import yaml
 
 from node.cli import build_parser
-from node.ops.join_command import training_join_flags
+from node.spec import TrainSpec
 
 COMPOSE = pathlib.Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
 PREFIX = {"bootstrap": ["--new-swarm"], "node": ["--initial-peers", "/dns4/bootstrap/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]}
@@ -17,7 +17,7 @@ def test_compose_swarm_trains_with_one_set_of_flags():
     parsed = {name: build_parser().parse_args(["node", "run", *PREFIX[name], *services[name]["command"]])
               for name in ("bootstrap", "node")}
     assert all(a.train for a in parsed.values())
-    assert training_join_flags(parsed["bootstrap"]) == training_join_flags(parsed["node"])
+    assert TrainSpec.from_args(parsed["bootstrap"]).join_argv() == TrainSpec.from_args(parsed["node"]).join_argv()
     members = 1 + services["node"]["deploy"]["replicas"]
     assert parsed["bootstrap"].min_members == members
     assert parsed["bootstrap"].path_length <= parsed["bootstrap"].num_stages <= members

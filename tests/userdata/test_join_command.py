@@ -4,11 +4,17 @@ import shlex
 import types
 
 from node.cli import build_parser
-from node.ops.join_command import join_command_lines, join_lines_for_daemon, training_join_flags
+from node.ops.join_command import join_command_lines, join_lines_for_daemon
+from node.spec import TrainSpec
 
 MADDR = "/ip4/10.0.0.1/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 SHARED = ("train", "model", "model_config", "corpus", "text_field", "tokenizer", "iterations", "lr", "seed",
           "microbatch_size", "seq_len", "min_members", "checkpoint_dir", "checkpoint_every", "run_id")
+
+
+def _join_flags(args):
+    """The flags the founder's banner prints for a joiner (node/cli/train_args.py: TrainSpec.join_argv)."""
+    return TrainSpec.from_args(args).join_argv()
 
 
 def _parse(argv):
@@ -21,7 +27,7 @@ def test_printed_command_reproduces_every_shared_training_flag():
                       "--tokenizer", "bpe:4096", "--lr", "0.003", "--seed", "7", "--microbatch-size", "4",
                       "--seq-len", "48", "--iterations", "300", "--min-members", "5", "--checkpoint-dir", "ckpt",
                       "--swarm-key", "swarm.key"])
-    lines = join_command_lines(founder.run_id, [MADDR], training_join_flags(founder), swarm_key="swarm.key")
+    lines = join_command_lines(founder.run_id, [MADDR], _join_flags(founder), swarm_key="swarm.key")
     command = lines[0].strip()
     argv = shlex.split(command)
     assert argv[:3] == ["skippipe", "node", "run"]
@@ -37,10 +43,10 @@ def test_printed_command_reproduces_every_shared_training_flag():
 
 def test_model_config_and_defaults():
     founder = _parse(["node", "run", "--train", "--model-config", "m.json"])
-    flags = training_join_flags(founder)
+    flags = _join_flags(founder)
     joiner = _parse(["node", "run", "--initial-peers", MADDR, "--auto", *flags])
     assert str(joiner.model_config) == "m.json" and joiner.tokenizer is None and joiner.lr is None
-    assert training_join_flags(_parse(["node", "run"])) == []  # no --train: nothing to repeat
+    assert _join_flags(_parse(["node", "run"])) == []  # no --train: nothing to repeat
 
 
 def test_daemon_banner_lines_from_config_and_services():
