@@ -57,12 +57,15 @@ class StageProof:
     """The verified state of one stage, downloaded and refreshed while this node is a candidate."""
 
     def __init__(self, cfg, stage: int, *, peer_id: str, p2p, dht, epoch: Callable[[], object],
-                 node_name: Optional[str] = None, wanted: Callable[[], bool] = lambda: True):
+                 node_name: Optional[str] = None, wanted: Callable[[], bool] = lambda: True,
+                 stage_now: Optional[Callable[[], Optional[int]]] = None):
         """``epoch()``: the host's adopted schedule epoch (whose replicas of ``stage`` serve the state);
         ``wanted()``: False while no proof is needed (a trainer of this node holds the stage, or the epoch
-        names this node): nothing is downloaded then."""
+        names this node): nothing is downloaded then; ``stage_now()``: the stage the node advertises now (a
+        moved node proves its new stage; the old stage's state is dropped)."""
         self.cfg, self.stage, self.peer_id = cfg, stage, peer_id
         self.p2p, self.dht, self._epoch, self._wanted = p2p, dht, epoch, wanted
+        self._stage_now = stage_now
         self.log = NodeLog(logger, node_name)
         self.module = None  # the stage with the last verified state, None until one was taken
         self.iteration: Optional[int] = None
@@ -95,8 +98,14 @@ class StageProof:
         async with self._lock:
             return await asyncio.get_running_loop().run_in_executor(None, stage_sketch, module, nonce, d_model)
 
+    def _follow_stage(self) -> None:
+        stage = self._stage_now() if self._stage_now is not None else self.stage
+        if stage is not None and stage != self.stage:
+            self.stage, self.module, self.iteration, self.fetched_at, self._pace = stage, None, None, None, None
+
     async def _keep_fresh(self) -> None:
         while True:
+            self._follow_stage()
             epoch = self._epoch()
             replicas = stage_replicas(epoch, self.stage, exclude=self.peer_id)
             if not replicas or not self._wanted() or self.peer_id in getattr(epoch, "members", ()):
@@ -126,14 +135,16 @@ class StageProof:
         from node.dataplane.state_transfer import fetch_verified_state
         from node.train.model import build_stage
 
-        module = self.module
+        module, stage = self.module, self.stage
         if module is None:
             module = await asyncio.get_running_loop().run_in_executor(
-                None, build_stage, self.cfg.model, self.stage, self.cfg.seed)
+                None, build_stage, self.cfg.model, stage, self.cfg.seed)
         snap, verdict = await fetch_verified_state(
-            self.p2p, self.cfg.run_id, list(replicas), self.stage, -1, expected=ExpectedState.of_module(module),
+            self.p2p, self.cfg.run_id, list(replicas), stage, -1, expected=ExpectedState.of_module(module),
             timeout_s=self.cfg.state_fetch_timeout_s, dht=self.dht)
         async with self._lock:
+            if stage != self.stage:
+                return  # the node moved to another stage meanwhile: this state proves nothing now
             await self._load(module, snap.state["model"])
         first, now = self.module is None, time.monotonic()
         if self.iteration is not None and self.fetched_at is not None and now > self.fetched_at:
@@ -147,14 +158,23 @@ class StageProof:
         await asyncio.get_running_loop().run_in_executor(None, module.load_state_dict, weights)
 
 
-def proof_for(cfg, host, node_name: Optional[str], wanted: Callable[[], bool]) -> Optional[StageProof]:
-    """The proof of the one stage ``host`` advertises (None when it advertises several: such a candidate is
-    not probed, see :mod:`node.swarm.admission`)."""
+def advertised_stage(cfg, host) -> Optional[int]:
+    """The one stage ``host`` advertises now (an ``--auto`` node's changes when an epoch moves it), or None when
+    it advertises several (such a candidate is not probed, see :mod:`node.swarm.admission`)."""
     stages = tuple(getattr(host, "stages", ()) or ())
     if len(stages) != 1 or not 0 <= int(stages[0]) < cfg.model.n_stages:
         return None
-    return StageProof(cfg, int(stages[0]), peer_id=str(host.peer_id), p2p=host.p2p, dht=host.dht,
-                      epoch=lambda: host.current_epoch, node_name=node_name, wanted=wanted)
+    return int(stages[0])
+
+
+def proof_for(cfg, host, node_name: Optional[str], wanted: Callable[[], bool]) -> Optional[StageProof]:
+    """The proof of the stage ``host`` advertises, following it when it changes (None: it advertises several)."""
+    stage = advertised_stage(cfg, host)
+    if stage is None:
+        return None
+    return StageProof(cfg, stage, peer_id=str(host.peer_id), p2p=host.p2p, dht=host.dht,
+                      epoch=lambda: host.current_epoch, node_name=node_name, wanted=wanted,
+                      stage_now=lambda: advertised_stage(cfg, host))
 
 
 async def held_sketch(stage: int, nonce: bytes, trainer, trains: bool, proof: Optional[StageProof],

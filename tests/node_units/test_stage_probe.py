@@ -262,3 +262,20 @@ async def test_the_sketch_comes_from_the_trainer_while_it_trains_else_from_the_p
     assert await proof.held_sketch(STAGE, nonce, trainer, False, held, cfg.d_model) == want_behind
     assert await proof.held_sketch(STAGE + 1, nonce, trainer, True, held, cfg.d_model) is None
     assert await proof.held_sketch(STAGE, nonce, None, False, None, cfg.d_model) is None
+
+
+def test_a_moved_node_proves_its_new_stage():
+    from types import SimpleNamespace
+
+    from node.train import proof
+
+    host = SimpleNamespace(stages=(1,), peer_id="me", p2p=None, dht=None, current_epoch=None)
+    cfg = SimpleNamespace(model=model_config("tiny"))
+    p = proof.proof_for(cfg, host, None, wanted=lambda: True)
+    p.module, p.iteration = object(), 7
+    host.stages = (2,)
+    p._follow_stage()
+    assert (p.stage, p.module, p.iteration) == (2, None, None)
+    host.stages = (1, 2)  # several stages: not probed, the proof keeps what it had
+    p._follow_stage()
+    assert p.stage == 2 and proof.proof_for(cfg, host, None, wanted=lambda: True) is None
