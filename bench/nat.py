@@ -35,7 +35,7 @@ the connections they dialled), so 0; the run checks that no advert carries a rel
 All daemons share this machine's cores: an idle box gives the figures, a loaded one only says it works
 (the results record the load average). Needs root, iproute2 and iptables (one ``error:`` line otherwise).
 
-Run: ``sudo .venv/bin/python bench/nat.py`` (2 + 20 iterations per configuration; about 10 minutes on 2
+Run: ``sudo .venv/bin/python bench/nat.py`` (2 + 60 iterations per configuration; about 3 minutes on 2
 idle cores); ``--quick`` for a smoke run (1 + 3 iterations). Writes ``bench/results/nat.json``.
 """
 
@@ -296,7 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python bench/nat.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=None,
-                   help="measured iterations per configuration (default 20; 3 with --quick)")
+                   help="measured iterations per configuration (default 60: over 20, one slow iteration "
+                   "moves the mean by a tenth; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="iterations before the measured ones (default 2; 1 "
                    "with --quick): the first iteration opens every stream")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 warm-up and 3 measured iterations each")
@@ -304,7 +305,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every host's uplink cap in Mbit/s (default: the NAT tests' rate)")
     add_swarm_run_arguments(p, RESULTS_DIR)
     args = p.parse_args(argv)
-    resolve_run_length(p, args, iterations=20, warmup=2)
+    resolve_run_length(p, args, iterations=60, warmup=2)
     if args.rate_mbit is not None and not args.rate_mbit > 0:
         p.error("--rate-mbit must be > 0")
     return args
