@@ -15,7 +15,7 @@ def _bench_module():
 def test_quick_and_default_iterations():
     m = _bench_module()
     full, quick = m.parse_args([]), m.parse_args(["--quick"])
-    assert (full.iterations, full.warmup, full.rate_mbit) == (20, 2, None)
+    assert (full.iterations, full.warmup, full.rate_mbit) == (60, 2, None)
     assert (quick.iterations, quick.warmup) == (3, 1)
     assert m.parse_args(["--quick", "--iterations", "5"]).iterations == 5  # an explicit count wins
     for bad in (["--iterations", "0"], ["--rate-mbit", "0"]):
