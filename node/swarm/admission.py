@@ -419,7 +419,11 @@ class Admission:
         from node.dataplane.probe import PROBE_TOLERANCE, check_sketch, sketches_close
 
         if answer is None:
-            return PROOF_PENDING
+            if stage in tuple(self._stages()) or any(p not in (peer_id, self.self_id) for p in self._replicas(stage)):
+                return PROOF_PENDING
+            # no live replica holds the stage (it is missing: training paused for it): there is no state to
+            # take or to compare with, and a node that brings the stage back (from its checkpoint) is wanted
+            return self._trust_alone(peer_id, stage, "no live replica holds the stage")
         theirs = check_sketch(answer)
         if theirs is None:
             self.probe_refused += 1
@@ -435,9 +439,12 @@ class Admission:
             self.probe_refused += 1
             return (f"its stage {stage} probe is {', '.join(compared)} (tolerance {PROBE_TOLERANCE}): it does not "
                     "hold the stage's weights")
+        return self._trust_alone(peer_id, stage, "no live replica of the stage answered a probe to compare with")
+
+    def _trust_alone(self, peer_id: str, stage: int, why: str) -> None:
+        """Admit ``peer_id`` on its word for ``stage`` (logged once, listed in ``trusted_alone``)."""
         if self.trusted_alone.get(peer_id) != stage:
-            self._log.warning("admitting %s on its stage %d probe's shape alone: no live replica of the stage "
-                              "answered a probe to compare with", peer_id[-8:], stage)
+            self._log.warning("admitting %s for stage %d without comparing its weights: %s", peer_id[-8:], stage, why)
         self.trusted_alone[peer_id] = stage
         _bound(self.trusted_alone)
         return None

@@ -63,7 +63,7 @@ def admission_of(daemon: "SwarmHost") -> Admission:
         reachable=lambda peer: can_connect(daemon, peer),
         sketch=lambda stage, nonce: _stage_sketch(daemon, stage, nonce),
         replicas=lambda stage: [p for p, s in (epoch_membership(daemon.current_epoch) if daemon.current_epoch else ())
-                                if s == stage],
+                                if s == stage and daemon.peer_alive(p)],  # live ones: references and sources
         ask_replica=rpc_over_p2p(daemon, STAGE_PROBE_METHOD),
         is_member=lambda peer: daemon.current_epoch is not None and peer in daemon.current_epoch.members)
 

@@ -101,7 +101,7 @@ class _Entry:
         self.advert = type("Advert", (), {"config_digest": DIGEST, "stages": tuple(stages)})()
 
 
-def _admission(candidate_module, reference_module, cfg, mine=None):
+def _admission(candidate_module, reference_module, cfg, mine=None, replicas=(CANDIDATE, REPLICA)):
     """``ME`` (holding ``mine``'s stage or nothing) challenges ``CANDIDATE``, which answers with
     ``candidate_module`` (a module, None: no state yet, or a list: a forged answer); ``REPLICA`` is the
     epoch's replica of the stage (``reference_module``, None: it answers nothing)."""
@@ -122,7 +122,7 @@ def _admission(candidate_module, reference_module, cfg, mine=None):
     async def own(stage, nonce):
         return sketch_of(mine, nonce) if mine is not None and stage == STAGE else None
 
-    return Admission(ME, DIGEST, call, lambda: (0,), sketch=own, replicas=lambda s: [CANDIDATE, REPLICA],
+    return Admission(ME, DIGEST, call, lambda: (0,), sketch=own, replicas=lambda s: list(replicas),
                      ask_replica=ask, is_member=lambda peer: peer in (ME, REPLICA), iteration=lambda: TRAINING_AT)
 
 
@@ -150,13 +150,18 @@ async def test_a_candidate_without_state_is_asked_again_soon_and_a_lone_one_is_t
     # no live replica answers a reference: admitted on its answer's shape, and whom it trusted is logged
     a = _admission(behind, None, cfg)
     assert await _round(a) and a.trusted_alone == {CANDIDATE: STAGE}
-    assert "probe's shape alone" in caplog.text
+    assert "without comparing its weights" in caplog.text
     # ... but not a non-finite answer
     assert not await _round(_admission([float("nan")] * SKETCH_LEN, None, cfg))
     # before any epoch trains (no members), founders are admitted on the challenge alone
     a = _admission(None, None, cfg)
     await a.round([_Entry(CANDIDATE, (STAGE,))], [])
     assert CANDIDATE in a.admitted
+    # a candidate without state for a stage no live replica holds (it went missing: training paused for
+    # it) has nothing to download: it is admitted alone, as the node that brings the stage back
+    a = _admission(None, None, cfg, replicas=(CANDIDATE,))
+    assert await _round(a) and a.trusted_alone == {CANDIDATE: STAGE}
+    assert "no live replica holds the stage" in caplog.text
     # ... and so is a late node once the challenger no longer trains (the run ended: nothing to prove)
     a = _admission(None, None, cfg)
     a._iteration = lambda: None
