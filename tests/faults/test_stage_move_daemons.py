@@ -22,7 +22,10 @@ from tests.faults.daemon_helpers import assert_each_step_committed_once, train_a
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ITERATIONS = 16  # the move lands after ~4-8 (8 steps measured per replica, a heartbeat, a 5 s lead)
+#: The move needs 8 steps measured per replica, then a heartbeat and a 5 s lead: partly iterations, partly
+#: seconds. On an idle box an iteration here takes about 0.8 s, so 16 iterations (13 s) ended before the
+#: move landed; 40 leave room for it whether the box is idle or loaded.
+ITERATIONS = 40
 MICROBATCHES = 4
 COMPUTE_S = 0.004  # every node's padded compute per sample per layer: above a tiny stage's real work
 SLOWDOWN = 4.0
