@@ -349,8 +349,8 @@ class Coordinator:
         """A movable member to move into the bottleneck stage at the next epoch (:func:`propose_move` over the
         members' planning compute and the current schedule's microbatches per stage), or None; under the same
         conditions as a re-plan (policy on, skippipe, measured costs, every member ONLINE, the epoch and the
-        last check at least ``min_interval_s`` old), and only once every member outside stage 0 advertises a
-        speed measured while training."""
+        last check at least ``min_interval_s`` old), and only once every member outside stage 0 that the schedule
+        sends microbatches advertises a speed measured while training."""
         current, now = self.current, time.monotonic()
         if (not self.replan.enabled or self.run.schedule_policy != "skippipe" or self.run.location_cost
                 or time.time() - current.issued_at < self.replan.min_interval_s
@@ -364,8 +364,12 @@ class Coordinator:
         except (ScheduleError, KeyError, TypeError, ValueError):
             return None
         stage_of = {current.members[v]: s for s, nodes in enumerate(plan.stages) for v in nodes}
-        if any(entries[p].advert.measured_compute_s_per_sample_per_layer is None for p, s in stage_of.items() if s):
-            return None  # start-up benchmarks are one short run each, skewed by whatever else ran then: no move on them
+        # start-up benchmarks are one short run each, skewed by whatever else ran then: no move on them. A
+        # replica the schedule sends no microbatch measures nothing; its start-up figure stands in for it
+        busy = {current.members[v] for path in plan.paths if path.microbatches for v in path.route}
+        if any(entries[p].advert.measured_compute_s_per_sample_per_layer is None for p, s in stage_of.items()
+               if s and p in busy):
+            return None
         load = [0.0] * len(plan.stages)
         for path in plan.paths:
             for s in {stage_of[current.members[v]] for v in path.route}:
