@@ -328,21 +328,31 @@ class Coordinator:
         measured = [None if 0 in a.stages else a.measured_compute_s_per_sample_per_layer for a in adverts]
         return planning_compute([a.compute_s_per_sample_per_layer for a in adverts], measured, self.replan.enabled)
 
-    def _replan_due(self, online: list[PeerEntry]) -> str | None:
-        """Why the current epoch's members should get a new schedule for their measured speeds, or None.
-        Only for the skippipe policy planned from measurements (a location table fixes compute by location)."""
+    def _planning_inputs(self, online: list[PeerEntry], min_age_s: float = 0.0) -> tuple[dict, Schedule] | None:
+        """The members' view entries and the current schedule, when a re-plan or a move may be weighed now:
+        the policy on, the skippipe policy planned from measurements (a location table fixes compute by
+        location), the last check at least ``min_interval_s`` and the epoch ``min_age_s`` old, every member
+        ONLINE; else None."""
         current, now = self.current, time.monotonic()
         if (not self.replan.enabled or self.run.schedule_policy != "skippipe" or self.run.location_cost
+                or time.time() - current.issued_at < min_age_s
                 or (self._replan_checked_at is not None and now - self._replan_checked_at < self.replan.min_interval_s)):
             return None
         entries = {e.peer_id: e for e in online}
         if any(m not in entries for m in current.members):
             return None
         try:
-            planned = Schedule.from_json(current.schedule).cost
+            return entries, Schedule.from_json(current.schedule)
         except (ScheduleError, KeyError, TypeError, ValueError):
             return None
-        return replan_reason(self.replan, planned.compute_s if planned is not None else None,
+
+    def _replan_due(self, online: list[PeerEntry]) -> str | None:
+        """Why the current epoch's members should get a new schedule for their measured speeds, or None."""
+        inputs = self._planning_inputs(online)
+        if inputs is None:
+            return None
+        (entries, plan), current = inputs, self.current
+        return replan_reason(self.replan, plan.cost.compute_s if plan.cost is not None else None,
                              self.member_compute(entries, current.members), time.time() - current.issued_at)
 
     def _move_due(self, online: list[PeerEntry]) -> StageMove | None:
@@ -351,18 +361,10 @@ class Coordinator:
         conditions as a re-plan (policy on, skippipe, measured costs, every member ONLINE, the epoch and the
         last check at least ``min_interval_s`` old), and only once every member outside stage 0 that the schedule
         sends microbatches advertises a speed measured while training."""
-        current, now = self.current, time.monotonic()
-        if (not self.replan.enabled or self.run.schedule_policy != "skippipe" or self.run.location_cost
-                or time.time() - current.issued_at < self.replan.min_interval_s
-                or (self._replan_checked_at is not None and now - self._replan_checked_at < self.replan.min_interval_s)):
+        inputs = self._planning_inputs(online, min_age_s=self.replan.min_interval_s)
+        if inputs is None:
             return None
-        entries = {e.peer_id: e for e in online}
-        if any(m not in entries for m in current.members):
-            return None
-        try:
-            plan = Schedule.from_json(current.schedule)
-        except (ScheduleError, KeyError, TypeError, ValueError):
-            return None
+        (entries, plan), current = inputs, self.current
         stage_of = {current.members[v]: s for s, nodes in enumerate(plan.stages) for v in nodes}
         # start-up benchmarks are one short run each, skewed by whatever else ran then: no move on them. A
         # replica the schedule sends no microbatch measures nothing; its start-up figure stands in for it
