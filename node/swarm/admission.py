@@ -26,7 +26,9 @@ peer nobody can reach stalls every iteration routed through it. So a live advert
   (:mod:`node.train.proof`), and the replicas' state servers serve candidates, not only members. With no
   live replica answering, the candidate is admitted on its answer's shape (finite, the right length) and
   this node logs whom it trusted (``trusted_alone`` in its status). A candidate that holds no state yet
-  is asked again after :data:`PROOF_PENDING_RETRY_S`. Why before, and not at the join's download: the
+  is asked again after :data:`PROOF_PENDING_RETRY_S`, unless no live replica holds its stage (the stage
+  went missing and training paused for it): there is then no state to take or compare with, and the node
+  that brings the stage back (from its checkpoint) is admitted alone, logged the same way. Why before, and not at the join's download: the
   probe must be answered by a node that *already* holds the weights, else an epoch names it (and waits
   for it) on its word; the epoch's own download at its first iteration still follows, since the proof is
   stale by then. A candidate advertising several stages is not probed (the epoch picks its stage).
