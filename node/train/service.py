@@ -394,7 +394,7 @@ class TrainerService:
             self.log.info("joining the run in progress at iteration %d (epoch %d)", join_at, epoch.epoch)
         await self.trainer.setup()
         self.trainer.follow_epochs(epoch_source)  # from now on: follow the daemon's adopted epochs
-        if first:
+        if self.start_iteration is None:  # the first training, also after a failed join (JoinFailed)
             self.start_iteration = self.trainer.current_iteration
         if join_at is None:
             await self.agreement.confirm(epoch, self.trainer.current_iteration)
