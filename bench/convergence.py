@@ -242,9 +242,17 @@ def train_run(name: str, schedule, cfg: BenchConfig, data: DataConfig, splits: T
     treat.restore()
     trainer.save_checkpoint(checkpoints, name, extra_meta={"schedule_kind": name, "bench": "convergence",
                                                              "path_length": _as_path_length(schedule),
-                                                             **({"treatment": out.treatment} if out.treatment else {})})
+                                                             **({"treatment": out.treatment} if out.treatment else {}),
+                                                             **_branch_scaling_meta(cfg, treat)})
     out.checkpoint = str(checkpoints / name)
     return out
+
+
+def _branch_scaling_meta(cfg: BenchConfig, treat) -> dict:
+    """Checkpoint meta saying the run trained as the swarm's ``--branch-scaling inverse`` does, so that
+    ``skippipe eval`` and bench/omission.py run it with stages missing as such (node.eval.omission)."""
+    inverse = cfg.train_branch_scale == "inverse" and any(p < 1.0 for p in treat.shares)
+    return {"branch_scaling": "inverse"} if inverse else {}
 
 
 class _Treatment:

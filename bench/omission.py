@@ -67,7 +67,7 @@ def omission_table(models: Dict[str, LoadedModel], batches) -> List[dict]:
         subsets = [(0,) + c for c in combinations(range(1, n_stages), n_keep - 1)]
         row = {"kept": n_keep, "of": n_stages, "subsets": len(subsets), "models": {}}
         for name, m in models.items():
-            ppls = [evaluate_kept(m.modules, batches, kept).perplexity for kept in subsets]
+            ppls = [evaluate_kept(m.modules, batches, kept, m.branch_scaling).perplexity for kept in subsets]
             mean = sum(ppls) / len(ppls)
             if n_keep == n_stages:
                 full_ppl[name] = mean

@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Tuple
 
 __all__ = ["TrainSpec", "DEFAULT_TRAIN_ITERATIONS", "DEFAULT_MICROBATCH_SIZE", "DEFAULT_MICROBATCHES",
            "DEFAULT_HEARTBEAT_S", "DEFAULT_RUN_ID", "DEFAULT_MEMORY_SLOTS", "DEFAULT_ITERATION_TIMEOUT_S",
-           "DEFAULT_AGREEMENT_TIMEOUT_S", "DEADLINE_SOURCES", "HEDGING_MODES", "JOIN_FIELDS", "flag_of"]
+           "DEFAULT_AGREEMENT_TIMEOUT_S", "DEADLINE_SOURCES", "HEDGING_MODES", "BRANCH_SCALING_MODES", "JOIN_FIELDS", "flag_of"]
 
 #: iterations a run trains when ``--iterations`` is not given (a short demonstration run)
 DEFAULT_TRAIN_ITERATIONS = 100
@@ -46,13 +46,16 @@ DEADLINE_SOURCES = ("observed", "model")
 #: Whether a data node hedges a late microbatch on other replicas (``on``) or only waits for its deadline
 #: (``off``: the other control of the straggler benchmark).
 HEDGING_MODES = ("on", "off")
+#: How a visited stage's residual branches are scaled in training (node.train.branch_scaling): ``inverse``
+#: (by 1/visit share, the measured best) or ``none`` (plain skip training). Every member must agree.
+BRANCH_SCALING_MODES = ("inverse", "none")
 
 #: What a joiner must repeat to train in the founder's run: what every member compares before training
 #: (model, data, optimiser, precision, wire), the start condition and the checkpoint settings. The run's
 #: stage count, path length and microbatches come from the founder in the hello handshake; the device and
 #: the timeouts are each machine's own.
 JOIN_FIELDS = ("train", "model", "model_config", "corpus", "text_field", "tokenizer", "iterations", "lr", "seed",
-               "microbatch_size", "seq_len", "precision", "wire", "min_members", "checkpoint_dir",
+               "microbatch_size", "seq_len", "precision", "wire", "branch_scaling", "min_members", "checkpoint_dir",
                "checkpoint_every")
 
 
@@ -98,6 +101,8 @@ class TrainSpec:
     device: str = "cpu"
     precision: str = "auto"
     wire: str = "fp32"
+    #: one of :data:`BRANCH_SCALING_MODES`
+    branch_scaling: str = BRANCH_SCALING_MODES[0]
     # start condition and checkpoints
     min_members: int = 1
     checkpoint_dir: Optional[Path] = None

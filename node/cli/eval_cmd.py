@@ -133,7 +133,8 @@ def run_eval(opts: EvalOptions) -> Dict[str, Any]:
                "kind": "full" if i == 0 else kind, "trial": (i - 1) if (i > 0 and kind == "random") else None,
                "results": {}}
         for label, m in zip(LABELS, models):
-            res = evaluate_kept(m.modules, batches, kept)
+            # an inverse-trained model's kept stages take on the missing ones' share, unless --branch-scale says
+            res = evaluate_kept(m.modules, batches, kept, m.branch_scaling if scale is None else "none")
             if i == 0:
                 base[label] = res.perplexity
             change = (res.perplexity / base[label] - 1.0) * 100.0 if math.isfinite(res.perplexity) else math.inf

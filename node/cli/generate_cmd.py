@@ -13,6 +13,7 @@ def _handler(args: argparse.Namespace) -> int:
     from node.eval.export import load_model_tokenizer
     from node.eval.generate import generate_ids
     from node.eval.omission import check_kept_stages, load_checkpoint_dirs, parse_stage_list
+    from node.train.branch_scaling import inference_branch_scale
 
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -28,7 +29,8 @@ def _handler(args: argparse.Namespace) -> int:
     tok = load_model_tokenizer(loaded, args.tokenizer, args.corpus)
     prompt = [int(i) for i in tok.encode(args.prompt)]
     ids = generate_ids(loaded.modules, prompt, kept, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed)
+                       top_k=args.top_k, seed=args.seed,
+                       branch_scale=inference_branch_scale(loaded.branch_scaling, n, len(kept)))
     sys.stdout.write(tok.decode(ids) + "\n")
     return 0
 

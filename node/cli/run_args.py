@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from node.cli.validate import (MAX_DURATION_S, MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_NODES, MAX_STAGES, MAX_THREADS,
                                float_range, int_range)
-from node.spec import DEADLINE_SOURCES, HEDGING_MODES, TrainSpec, flag_of
+from node.spec import BRANCH_SCALING_MODES, DEADLINE_SOURCES, HEDGING_MODES, TrainSpec, flag_of
 from node.train.precision import DEVICES, PRECISIONS
 from protocol.compression import WIRE_TABLE
 
@@ -75,6 +75,10 @@ RUN_FLAGS: Mapping[str, RunFlag] = {
     "wire": RunFlag("wire format of activations and gradients (int8: blockwise 8-bit with per-block scales); the "
                     "replicas' averaging uses the matching hivemind compression. All members must agree "
                     "(default {default})", choices=tuple(WIRE_TABLE)),
+    "branch_scaling": RunFlag("how a visited stage's residual branches are scaled in training with skipping paths: "
+                              "inverse (by 1/p, p = the share of microbatches visiting it; the checkpoint runs as a "
+                              "plain model) or none (plain skip training). All members must agree (default {default})",
+                              choices=BRANCH_SCALING_MODES),
     "min_members": RunFlag("start training only on a schedule epoch with at least this many members "
                            "(default {default})", type=int_range(1, MAX_NODES)),
     "checkpoint_dir": RunFlag("folder for this node's checkpoints", type=Path),

@@ -79,7 +79,8 @@ def model_and_data_from_spec(run: TrainSpec, resolve_tokenizer: bool = True):
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (with --train)")
     add_run_arguments(g, ("train", *MODEL_DATA_FIELDS, "iterations", "checkpoint_dir", "checkpoint_every", "resume",
-                          "min_members", "lr", "seed", "microbatch_size", "seq_len", *PRECISION_WIRE_FIELDS))
+                          "min_members", "lr", "seed", "microbatch_size", "seq_len", *PRECISION_WIRE_FIELDS,
+                          "branch_scaling"))
     g.add_argument("--node-name", default=None, help="checkpoint file name (default: the peer id)")
     add_run_arguments(g, ("threads", "iteration_timeout", "deadlines", "hedging"))
     g.add_argument("--start-debounce", type=float_range(0, MAX_DURATION_S), default=None,
@@ -152,7 +153,7 @@ def training_services_from_args(args: argparse.Namespace, spec: TrainSpec | None
         optim=optim,
         data=data,
         seed=spec.seed,
-        device=device, precision=precision, wire=wire, averaging=averaging,
+        device=device, precision=precision, wire=wire, averaging=averaging, branch_scaling=spec.branch_scaling,
         checkpoint_dir=str(Path(spec.checkpoint_dir).expanduser()) if spec.checkpoint_dir else None,
         checkpoint_every=spec.checkpoint_every,
         resume=spec.resume,

@@ -68,7 +68,8 @@ def register(subparsers) -> None:
     # the run's flags as node run declares them, with up's defaults (UP_SPEC)
     add_run_arguments(p, ("iterations",), UP_SPEC)
     p.add_argument("--out", default="skippipe-up", help="output folder (default ./%(default)s)")
-    add_run_arguments(p, (*MODEL_DATA_FIELDS, "num_stages", "device", *PRECISION_WIRE_FIELDS), UP_SPEC,
+    add_run_arguments(p, (*MODEL_DATA_FIELDS, "num_stages", "device", *PRECISION_WIRE_FIELDS, "branch_scaling"),
+                      UP_SPEC,
                       help={"num_stages": "pipeline stages (default: the model's, 6 for the named sizes); as node run "
                                           "--num-stages", "device": "torch device of every node (auto: cuda when "
                                           "available; default {default})"})

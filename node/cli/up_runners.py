@@ -72,7 +72,7 @@ def _compute_config(opts: UpOptions) -> dict:
     try:
         device = resolve_device(spec.device)
         return dict(device=device, precision=resolve_precision(spec.precision, device), wire=spec.wire,
-                    averaging=AveragingConfig(compression=averaging_compression_for_wire(spec.wire)))
+                    branch_scaling=spec.branch_scaling, averaging=AveragingConfig(compression=averaging_compression_for_wire(spec.wire)))
     except ValueError as e:
         raise UserError(str(e)) from None
 

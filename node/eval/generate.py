@@ -19,17 +19,20 @@ __all__ = ["next_token_logits", "generate_ids"]
 
 
 @torch.no_grad()
-def next_token_logits(modules: Sequence[StageModule], ids: torch.Tensor, kept: Sequence[int]) -> torch.Tensor:
-    """Logits (B, T, vocab) of the model restricted to ``kept`` (stage 0 first, then in order)."""
+def next_token_logits(modules: Sequence[StageModule], ids: torch.Tensor, kept: Sequence[int],
+                      branch_scale: Optional[float] = None) -> torch.Tensor:
+    """Logits (B, T, vocab) of the model restricted to ``kept`` (stage 0 first, then in order); ``branch_scale``
+    overrides the kept stages' residual-branch scale (node.train.branch_scaling.inference_branch_scale)."""
     h = modules[0].embed(ids)
     for s in kept[1:]:
-        h = modules[s](h)
+        h = modules[s](h, branch_scale=branch_scale)
     return modules[0].logits(h)
 
 
 @torch.no_grad()
 def generate_ids(modules: Sequence[StageModule], prompt: List[int], kept: Sequence[int], max_new_tokens: int,
-                 temperature: float = 1.0, top_k: Optional[int] = None, seed: int = 0) -> List[int]:
+                 temperature: float = 1.0, top_k: Optional[int] = None, seed: int = 0,
+                 branch_scale: Optional[float] = None) -> List[int]:
     """``prompt`` followed by ``max_new_tokens`` sampled tokens."""
     if max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
@@ -44,7 +47,7 @@ def generate_ids(modules: Sequence[StageModule], prompt: List[int], kept: Sequen
     ids = list(prompt)
     for _ in range(max_new_tokens):
         window = torch.tensor([ids[-context:]], dtype=torch.long)
-        logits = next_token_logits(modules, window, kept)[0, -1].float()
+        logits = next_token_logits(modules, window, kept, branch_scale)[0, -1].float()
         if temperature == 0.0:
             ids.append(int(torch.argmax(logits)))
             continue

@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from node.spec import BRANCH_SCALING_MODES
+from node.train.branch_scaling import inference_branch_scale
 from node.train.checkpoint import Checkpoint, CheckpointOldFormat, CheckpointStore
 from node.train.data import DataConfig
 from node.errors import UserError
@@ -70,6 +72,13 @@ class LoadedModel:
     @property
     def trainer(self) -> str:
         return str(self.meta.get("trainer", "swarm"))
+
+    @property
+    def branch_scaling(self) -> str:
+        """How its stages' residual branches were scaled in training (``none`` for checkpoints that do not
+        say: plain models), which decides how it runs with stages missing."""
+        value = self.meta.get("branch_scaling", "none")
+        return value if value in BRANCH_SCALING_MODES else "none"
 
 
 @dataclass(frozen=True)
@@ -262,10 +271,12 @@ def random_kept_subsets(n_stages: int, fraction: float, trials: int, seed: int) 
 
 
 def evaluate_kept(modules: Sequence[StageModule], batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                  kept: Sequence[int]) -> OmissionResult:
-    """Mean validation loss running stage 0, the kept stages in order, then stage 0's head."""
+                  kept: Sequence[int], branch_scaling: str = "none") -> OmissionResult:
+    """Mean validation loss running stage 0, the kept stages in order, then stage 0's head; the kept stages
+    scaled as a model trained under ``branch_scaling`` runs with stages missing (``LoadedModel.branch_scaling``)."""
     kept_t = check_kept_stages(kept, len(modules))
-    loss = evaluate_loss(modules, batches, order=kept_t[1:])
+    scale = inference_branch_scale(branch_scaling, len(modules), len(kept_t))
+    loss = evaluate_loss(modules, batches, order=kept_t[1:], branch_scale=scale)
     return OmissionResult(kept_t, loss, perplexity(loss))
 
 

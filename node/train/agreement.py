@@ -56,7 +56,8 @@ def training_summary(config: TrainerConfig, iterations: int) -> dict:
     """The hyper-parameters every member of a run must share (compared before training starts)."""
     return {"model": config.model.to_dict(), "optim": asdict(config.optim), "data": asdict(config.data),
             "averaging": asdict(config.averaging), "seed": config.seed, "iterations": int(iterations),
-            "memory_slots": config.memory_slots, "precision": config.precision, "wire": config.wire}
+            "memory_slots": config.memory_slots, "precision": config.precision, "wire": config.wire,
+            "branch_scaling": config.branch_scaling}
 
 
 class RunAgreement:

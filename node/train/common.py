@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from node.spec import DEFAULT_ITERATION_TIMEOUT_S
 from node.train.averaging import AveragingConfig
+from node.train.branch_scaling import DEFAULT_BRANCH_SCALING
 from node.train.data import DataConfig
 from node.train.deadlines import DeadlineConfig, ObservedDeadlineConfig
 from node.train.hedging import HedgeConfig
@@ -66,6 +67,9 @@ class TrainerConfig:
     #: compute precision and wire format; every member of a run must use the same ones
     precision: str = "fp32"  # fp32 | bf16 | fp16 (node.train.precision)
     wire: str = "fp32"  # fp32 | bf16 | fp16 | int8 (protocol.compression)
+    #: how a visited stage's residual branches are scaled in training (node.train.branch_scaling); a run's
+    #: members must agree, and a full pipeline trains the same under either
+    branch_scaling: str = DEFAULT_BRANCH_SCALING.value  # inverse | none
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 10  # iterations; 0 = only on clean shutdown
     resume: bool = False

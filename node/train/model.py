@@ -280,14 +280,17 @@ class StageModule(nn.Module):
             self.final_norm = RMSNorm(cfg.d_model)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, branch_scale: Optional[float] = None) -> torch.Tensor:
+        """``branch_scale`` overrides :attr:`branch_scale` for this call (the trainer's training scale,
+        node.train.branch_scaling), so the module itself stays the plain model for sketches and exports."""
+        scale = self.branch_scale if branch_scale is None else float(branch_scale)
         t = hidden.shape[1]
         if t > self.cfg.context:
             raise ValueError(f"sequence length {t} exceeds context {self.cfg.context}")
         cos, sin = rotary_tables(self.cfg.head_dim, torch.arange(t, device=hidden.device))
         cos, sin = cos.to(hidden.device), sin.to(hidden.device)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, self.branch_scale)
+            hidden = layer(hidden, cos, sin, scale)
         return hidden
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

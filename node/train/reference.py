@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from node.train.branch_scaling import DEFAULT_BRANCH_SCALING, training_branch_scale
 from node.train.data import DataConfig, DataShard, TokenSplits
 from node.train.epochs import parse_schedule, routes_for, stage_index
 from node.train.model import ModelConfig, StageModule, build_stage
@@ -38,13 +39,17 @@ class ReferenceTrainer:
 
     def __init__(self, model: ModelConfig, optim: OptimConfig, data: DataConfig, splits: TokenSplits,
                  schedule: dict, seed: int = 0, device: str = "cpu", precision: str = "fp32",
-                 wire: str = "fp32"):
+                 wire: str = "fp32", branch_scaling: str = DEFAULT_BRANCH_SCALING.value):
+        """``branch_scaling``: as the swarm's (``TrainerConfig.branch_scaling``), each stage scaled by its visit
+        share in ``schedule``."""
         self.plan = parse_schedule(schedule)
         self._stage_of = stage_index(self.plan)
         self.compression = wire_compression(wire)
         self.optim = optim
         self.stages = [StageRuntime(build_stage(model, s, seed), optim, device, precision=precision)
                        for s in range(model.n_stages)]
+        for s, st in enumerate(self.stages):
+            st.branch_scale = training_branch_scale(branch_scaling, self.plan, s)
         n_data = len(self.plan.data_nodes)
         self.shards = {d: DataShard(splits, data, i, n_data) for i, d in enumerate(self.plan.data_nodes)}
         self.iteration = 0
@@ -90,8 +95,9 @@ class ReferenceTrainer:
 
 @torch.no_grad()
 def evaluate_loss(stages: Sequence[StageModule], batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                  order: Optional[Sequence[int]] = None) -> float:
-    """Mean validation loss with the stages applied in ``order`` (default: all, in order)."""
+                  order: Optional[Sequence[int]] = None, branch_scale: Optional[float] = None) -> float:
+    """Mean validation loss with the stages applied in ``order`` (default: all, in order); ``branch_scale``
+    overrides the residual-branch scale of the stages in ``order`` (node.train.branch_scaling)."""
     order = list(order) if order is not None else list(range(1, len(stages)))
     was_training = [m.training for m in stages]
     for m in stages:
@@ -101,7 +107,7 @@ def evaluate_loss(stages: Sequence[StageModule], batches: Sequence[Tuple[torch.T
         dev = next(stages[0].parameters()).device
         h = stages[0].embed(inputs.to(dev))
         for s in order:
-            h = stages[s](h)
+            h = stages[s](h, branch_scale=branch_scale)
         total += float(stages[0].head_loss(h, targets.to(dev)))
     for m, t in zip(stages, was_training):
         m.train(t)

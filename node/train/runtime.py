@@ -154,6 +154,9 @@ class StageRuntime:
         self.visits = 0  # microbatches whose backward ran here this iteration
         self.peak_in_flight = 0  # most microbatches ever held at once (memory-slot check)
         self._overflow = False  # fp16: a gradient this stage computed this iteration was not finite
+        #: residual-branch scale of this stage's forwards while training (node.train.branch_scaling; the
+        #: epoch's visit share sets it); the module itself stays the plain model
+        self.branch_scale = 1.0
         self.reset_grads()
 
     @property
@@ -190,7 +193,7 @@ class StageRuntime:
         t0 = _start_time(ready_at)
         x = self.to_device(hidden).detach().to(BOUNDARY_DTYPE).requires_grad_(True)
         with self._autocast():
-            y = self.module(x)
+            y = self.module(x) if self.branch_scale == 1.0 else self.module(x, branch_scale=self.branch_scale)
         self._hold(key, _InFlight(x, y))
         self._pad("forward", t0, hidden, began)
         return self._leaving(y)

@@ -195,7 +195,7 @@ class StageState:
         # the checksum reads every parameter (and on a GPU waits for it): compute thread, not the event loop
         state, checksum = await self.compute(lambda: (self.resources.runtime.state_dict(), self.resources.runtime.checksum()))
         meta = {"run_id": self.cfg.run_id, "epoch": self.epochs.epoch.epoch, "model": self.cfg.model.to_dict(),
-                "peer_id": self.peer_id, "checksum": checksum,
+                "peer_id": self.peer_id, "checksum": checksum, "branch_scaling": self.cfg.branch_scaling,
                 "data": dict(vars(self.cfg.data))}  # tokenizer + hash: what eval/export/generate read back
         run_config = checkpoint_run_config(self.cfg)
         full = INJECTED_FULL_AFTER_BYTES if self.faults and self.faults.disk_full(it) else None

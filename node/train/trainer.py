@@ -34,6 +34,7 @@ from typing import Callable, List, Optional, Tuple
 
 from node.net.records import finished_key, norm_key, start_key
 from node.train.averaging import StageAverager
+from node.train.branch_scaling import training_branch_scale
 from node.train.build import data_shard, hop_deadlines, microbatch_guard, rebuild_averager
 from node.train.common import (IterationState, IterationStats, JoinFailed, LeftSchedule, Lifecycle, NodeKilled,
                                NodeLog, StageMoved, TrainerConfig, TrainingStalled, arrival_time)
@@ -262,11 +263,13 @@ class TrainerNode:
     def _bind_epoch(self, epoch) -> None:
         self.epochs.bind(epoch)
         if self.runtime is not None:
-            self._build_deadlines()
+            self._apply_epoch()
 
-    def _build_deadlines(self) -> None:
+    def _apply_epoch(self) -> None:
+        """What the bound epoch decides besides routes: hop deadlines and this stage's training branch scale."""
         links = deadline_links(self.emulation, self._link_estimate, self.peer_id)
         self.resources.deadlines = hop_deadlines(self.cfg, self.epochs, self._forward_s, links)
+        self.runtime.branch_scale = training_branch_scale(self.cfg.branch_scaling, self.epochs.plan, self.stage)
 
     async def setup(self) -> None:
         """Build the stage, restore a checkpoint (or a live replica's state), start averager and data plane.
@@ -280,7 +283,7 @@ class TrainerNode:
                                     precision=self.cfg.precision)  # autocast + fp16 loss scale
         self._forward_s = await self.pipeline.compute(
             lambda: measure_forward_s(self.runtime, self.cfg, self.stage, self.emulation))
-        self._build_deadlines()
+        self._apply_epoch()
         have_checkpoint = self.stage_state.restore()
         self.progress.current = self.progress.committed + 1
         await self.stage_state.serve(allow=self._allow)
@@ -331,7 +334,7 @@ class TrainerNode:
         if not self.epochs.switch(self.current_iteration):
             return
         if self.runtime is not None:
-            self._build_deadlines()
+            self._apply_epoch()
         self._make_shard()
         await self._build_averager()
         self.log.info("switched to schedule epoch %d at iteration %d (%d members)", self.epoch.epoch,

@@ -64,12 +64,12 @@ def test_random_subsets_are_seeded_distinct_and_valid():
     assert len(random_kept_subsets(6, 0.5, trials=100, seed=0)) == 10  # C(5, 2): all of them, once
 
 
-def _write_swarm_checkpoint(root, trainer, iteration_of=lambda s: 7, replicas=2):
+def _write_swarm_checkpoint(root, trainer, iteration_of=lambda s: 7, replicas=2, **extra_meta):
     """What TrainerNode.save_checkpoint writes: StageRuntime state + trainer meta (no data config)."""
     for s, module in enumerate(trainer.modules()):
         runtime = StageRuntime(module, OptimConfig())
         meta = {"run_id": "swarm", "epoch": 0, "model": trainer.model_cfg.to_dict(), "peer_id": f"peer{s}",
-                "checksum": runtime.checksum()}
+                "checksum": runtime.checksum(), **extra_meta}
         for r in range(replicas if s else 1):
             CheckpointStore(root, "swarm", s, f"node{s}-{r}").save(iteration_of(s), runtime.state_dict(), meta)
     return root / "swarm"
@@ -81,6 +81,19 @@ def test_reads_swarm_checkpoints_with_replicas(tmp_path, trained, val):
     loaded = load_checkpoint_dir(run_dir)
     assert loaded.iteration == 7 and loaded.trainer == "swarm"
     assert evaluate_kept(loaded.modules, val, range(6)).loss == evaluate_loss(trainer.modules(), val)
+
+
+def test_an_inverse_trained_model_runs_its_kept_stages_at_the_missing_ones_share(tmp_path, trained, val):
+    trainer, _ = trained
+    loaded = load_checkpoint_dir(_write_swarm_checkpoint(tmp_path / "inv", trainer, branch_scaling="inverse"))
+    plain = load_checkpoint_dir(_write_swarm_checkpoint(tmp_path / "plain", trainer))
+    assert (loaded.branch_scaling, plain.branch_scaling) == ("inverse", "none")  # no key: a plain model
+    # full depth: the plain model either way; 3 of 6 kept: stages 2 and 4 scaled by (6 - 1) / (3 - 1)
+    assert evaluate_kept(loaded.modules, val, range(6), "inverse").loss == evaluate_kept(plain.modules, val, range(6)).loss
+    half = evaluate_kept(loaded.modules, val, [0, 2, 4], loaded.branch_scaling).loss
+    assert half == evaluate_loss(trainer.modules(), val, order=[2, 4], branch_scale=2.5)
+    assert abs(half - evaluate_kept(plain.modules, val, [0, 2, 4]).loss) > 1e-4
+    assert {m.branch_scale for m in loaded.modules} == {1.0}  # evaluation leaves the modules plain
 
 
 def test_broken_checkpoint_folders_are_user_errors(tmp_path, trained):

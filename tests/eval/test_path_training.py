@@ -7,7 +7,8 @@ import torch
 
 from node.train.data import validation_batches
 from node.train.model import model_config
-from node.eval.path_training import PathTrainer, full_pipeline_schedule, stage_routes
+from node.eval.path_training import (PathTrainer, branch_scales_for, full_pipeline_schedule, set_branch_scales,
+                                     stage_routes, stage_visit_shares)
 from node.train.reference import ReferenceTrainer, evaluate_loss
 from node.train.runtime import OptimConfig
 from tests.eval.conftest import skip_schedule
@@ -22,13 +23,18 @@ def _max_diff(a, b):
                for ma, mb in zip(a, b) for p, q in zip(ma.parameters(), mb.parameters()))
 
 
-@pytest.mark.parametrize("schedule", [full_pipeline_schedule(6, data_nodes=2, microbatches=3), skip_schedule()],
-                         ids=["full-pipeline", "skip"])
-def test_matches_reference_trainer(splits, data_cfg, schedule):
+@pytest.mark.parametrize("schedule, scaling", [(full_pipeline_schedule(6, data_nodes=2, microbatches=3), "none"),
+                                               (skip_schedule(), "none"), (skip_schedule(), "inverse")],
+                         ids=["full-pipeline", "skip", "skip-inverse"])
+def test_matches_reference_trainer(splits, data_cfg, schedule, scaling):
+    # the bench's --train-branch-scale inverse is the swarm's (and the reference's) --branch-scaling inverse
     iterations = 4
     cfg = model_config("tiny")
-    ref = ReferenceTrainer(cfg, OPTIM, data_cfg, splits, schedule, seed=0)
+    ref = ReferenceTrainer(cfg, OPTIM, data_cfg, splits, schedule, seed=0, branch_scaling=scaling)
     ours = PathTrainer(cfg, OPTIM, data_cfg, splits, schedule, seed=0)
+    train_scales, _ = branch_scales_for(scaling, stage_visit_shares(ours.routes, cfg.n_stages))
+    set_branch_scales(ours.stages, train_scales)
+    assert [st.branch_scale for st in ref.stages] == pytest.approx(train_scales)
     ref_losses = [ref.train_iteration() for _ in range(iterations)]
     our_losses = [ours.train_iteration().loss for _ in range(iterations)]
     assert our_losses == pytest.approx(ref_losses, abs=1e-6)

@@ -22,7 +22,7 @@ from node.cli.train_args import MODEL_SIZE_NAMES
 from node.cli.up_runners import UP_SPEC, UpOptions, _daemon_spec, _node_args
 from node.cli.validate import MAX_DURATION_S, MAX_MEMORY_SLOTS, MAX_MICROBATCHES, MAX_NODES, MAX_STAGES, MAX_THREADS
 from node.launch.process_swarm import ProcessSwarm
-from node.spec import DEADLINE_SOURCES, HEDGING_MODES, JOIN_FIELDS, TrainSpec
+from node.spec import BRANCH_SCALING_MODES, DEADLINE_SOURCES, HEDGING_MODES, JOIN_FIELDS, TrainSpec
 from node.train.precision import DEVICES, PRECISIONS
 from protocol.compression import WIRE_TABLE
 
@@ -71,6 +71,7 @@ FIELDS = {
     "agreement_timeout": _positive(MAX_DURATION_S),
     "deadlines": st.sampled_from(DEADLINE_SOURCES),
     "hedging": st.sampled_from(HEDGING_MODES),
+    "branch_scaling": st.sampled_from(BRANCH_SCALING_MODES),
 }
 #: --stages and --auto exclude each other
 _STAGE_CHOICE = (st.just((None, False)) | st.just((None, True))
@@ -153,7 +154,7 @@ def test_every_run_flag_is_declared_once_for_node_run_up_and_swarm_local():
     from node.launch.process_swarm import LOCAL_SPEC
 
     fields = {f.name for f in dataclasses.fields(TrainSpec)}
-    for path, defaults, count in ((("node", "run"), TrainSpec(), len(fields) - 2), (("up",), UP_SPEC, 18),
+    for path, defaults, count in ((("node", "run"), TrainSpec(), len(fields) - 2), (("up",), UP_SPEC, 19),
                                   (("swarm", "local"), LOCAL_SPEC, 3)):
         actions = [a for a in _subparser(*path)._actions if a.dest in fields and a.dest not in ("stages", "auto")]
         assert len({a.dest for a in actions}) == len(actions) == count, path  # node run: all but its stage choice

@@ -121,3 +121,27 @@ async def test_opposite_reordered_paths_with_one_memory_slot_finish_and_match_re
         diff = _max_diff(swarm, reference)
     assert [s.microbatches for s in stats] == [4, 4, 4]
     assert diff <= MAX_ABS_DIFF
+
+
+async def test_skipping_swarm_scales_each_stage_by_its_inverse_visit_share_as_the_reference_does(splits):
+    # paths of 4 of 6 stages: the skipped stages see a share p < 1 of the microbatches and train with their
+    # residual branches scaled by 1/p (the default branch scaling); the modules stay plain models
+    iterations = 3
+    schedule = build_schedule(6, data_nodes=1, replicas=[1] * 5, path_length=4, microbatches=5, memory=2)
+    cfg = _config("inverse")
+    assert cfg.branch_scaling == "inverse"
+    reference = ReferenceTrainer(cfg.model, cfg.optim, cfg.data, splits, schedule, seed=cfg.seed)
+    plain = ReferenceTrainer(cfg.model, cfg.optim, cfg.data, splits, schedule, seed=cfg.seed, branch_scaling="none")
+    for _ in range(iterations):
+        reference.train_iteration()
+        plain.train_iteration()
+    async with InProcessSwarm(schedule, cfg, splits) as swarm:
+        await swarm.train(iterations)
+        diff, diff_plain = _max_diff(swarm, reference), _max_diff(swarm, plain)
+        scales = {swarm.nodes[n].runtime.stage: swarm.nodes[n].runtime.branch_scale for n in range(len(swarm.nodes))}
+        module_scales = {n.runtime.module.branch_scale for n in swarm.nodes}
+    assert scales[0] == 1.0 and sum(scales[s] > 1.0 for s in range(1, 6)) >= 3, scales  # skipped stages
+    assert scales == {s: st.branch_scale for s, st in enumerate(reference.stages)}
+    assert module_scales == {1.0}  # sketches, exports and evaluation see the plain model
+    assert diff <= MAX_ABS_DIFF, f"swarm parameters differ from the inverse-scaled reference by {diff}"
+    assert diff_plain > 100 * MAX_ABS_DIFF, "the swarm trained as plain skip training: no scale was applied"
