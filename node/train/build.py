@@ -60,11 +60,14 @@ async def rebuild_averager(old: Optional[StageAverager], dht, runtime, cfg, epoc
     exist to (``reaches``, :func:`node.train.averaging.averaging_group`); None without another such replica."""
     if old is not None:
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
-    group = averaging_group(epochs.peer_id, epochs.replicas(epochs.stage), reaches)
+    replicas = epochs.replicas(epochs.stage)
+    group = averaging_group(epochs.peer_id, replicas, reaches)
     if len(group.peers) <= 1:
         return None
     assert runtime is not None
+    # the group size is every replica's: a replica we cannot reach may still join our hivemind group through
+    # a dialable one, and hivemind needs the target size to be at least the size of any group it assembles
     averager = StageAverager(dht, runtime.grads(), prefix=averager_prefix(cfg.run_id, epochs.stage, epochs.epoch.epoch),
-                             group_size=len(group.peers), cfg=cfg.averaging, client_mode=group.client_mode)
+                             group_size=len(set(replicas)), cfg=cfg.averaging, client_mode=group.client_mode)
     await averager.start()
     return averager
