@@ -100,6 +100,17 @@ def test_resync_copies_from_a_reachable_replica_of_the_majority_or_not_at_all():
     assert reachable_source(keep, reaches) is keep
 
 
+def test_a_candidate_downloads_its_proof_from_a_replica_it_can_reach_first():
+    from types import SimpleNamespace
+
+    from node.train.proof import StageProof
+
+    epoch = SimpleNamespace(members=("d", "a", "b", "p", "me"), schedule={"stages": [[0], [1, 2, 3, 4]]})
+    proof = StageProof(SimpleNamespace(), 1, peer_id="me", p2p=None, dht=None, epoch=lambda: epoch,
+                       reaches=lambda peer: peer != "a")  # a is behind NAT, like this candidate
+    assert proof.sources(epoch) == ["b", "p", "a"]  # a still backs the state by its sketch, asked last
+
+
 @pytest.fixture(scope="module")
 def identities(tmp_path_factory):
     d = tmp_path_factory.mktemp("ids")
