@@ -111,6 +111,24 @@ def test_a_candidate_downloads_its_proof_from_a_replica_it_can_reach_first():
     assert proof.sources(epoch) == ["b", "p", "a"]  # a still backs the state by its sketch, asked last
 
 
+async def test_a_stage_probe_reference_is_never_asked_of_a_replica_this_node_cannot_reach():
+    from node.swarm.admission import Admission
+
+    asked = []
+
+    async def ask(peer, params):
+        asked.append(peer)
+        return {}  # no sketch: the next replica would be asked
+
+    async def no_sketch(stage, nonce):
+        return None  # this node does not hold the stage: it asks the replicas
+
+    admission = Admission("me", "d" * 64, None, lambda: (0,), log=logging.getLogger("test"), sketch=no_sketch,
+                          replicas=lambda stage: ["a", "b"], ask_replica=ask, reachable=lambda peer: peer != "a")
+    assert [who async for who, _ in admission._reference_sketches(1, b"n" * 16, "candidate")] == []
+    assert asked == ["b"]
+
+
 @pytest.fixture(scope="module")
 def identities(tmp_path_factory):
     d = tmp_path_factory.mktemp("ids")
