@@ -169,8 +169,9 @@ def averaging_group(me: str, replicas: Sequence[str], reaches: Optional[Callable
     butterfly all-reduce has every non-client peer reduce a part that every other peer sends it, which would
     need a connection between the two. So this replica joins in client mode: it reduces no part, only sends
     its tensors to the dialable peers (over connections it opens) and receives the means back. With only
-    dialable groupmates it stays a normal peer (the dialable ones reach it over the connections it opened,
-    as measured in the NAT lab), so its uplink carries half the traffic that client mode would."""
+    dialable groupmates it stays a normal peer: the dialable ones reach it over the connections it opened
+    (measured in the NAT lab: every round averaged), and it reduces its share of the parts instead of sending
+    all of its tensors to others and taking all of the means back."""
     group = tuple(p for p in dict.fromkeys(replicas) if p == me or reaches is None or reaches(p))
     return AveragingGroup(group, client_mode=len(group) < len(set(replicas) | {me}))
 
