@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Mapping, Sequence
 
 from protocol.messages import Reachability
 from scheduler.cost import CostMatrix
 from scheduler.errors import ScheduleError
 from scheduler.schedule import Schedule
 
-__all__ = ["LinkKind", "RelayParams", "link_kind", "apply_reachability", "impossible_hops", "check_reachable"]
+__all__ = ["LinkKind", "RelayParams", "link_kind", "connectable", "apply_reachability", "impossible_hops",
+           "check_reachable", "stranded_stages", "stranded_replicas"]
 
 _DIALABLE = {Reachability.DIRECT.value, Reachability.UNKNOWN.value}
 
@@ -59,6 +60,32 @@ def link_kind(a: str, b: str) -> LinkKind:
     if Reachability.RELAYED.value in (a, b):
         return LinkKind.RELAYED
     return LinkKind.IMPOSSIBLE
+
+
+def connectable(a: str, b: str) -> bool:
+    """Whether nodes with reachability ``a`` and ``b`` can be connected at all (directly or relayed)."""
+    return link_kind(a, b) is not LinkKind.IMPOSSIBLE
+
+
+def stranded_stages(own: str, replicas: Sequence[Collection[str]]) -> list[int]:
+    """The stages a node of reachability ``own`` would hold stranded: stage ``s`` has live replicas
+    (``replicas[s]``: their reachability values) and it can be connected to none of them, so it could
+    neither take the stage's state from them nor average or re-sync with them. An empty stage is not
+    stranded (its first replica has nobody to pair with anyway)."""
+    return [s for s, theirs in enumerate(replicas) if theirs and not any(connectable(own, r) for r in theirs)]
+
+
+def stranded_replicas(stage_of: Mapping[str, int], reachability: Mapping[str, str]) -> set[str]:
+    """The nodes of ``stage_of`` (node -> stage) that share their stage with others but can be connected to
+    none of them (``reachability``: node -> value; a node without one counts as ``unknown``, i.e. dialable)."""
+    def reach(node: str) -> str:
+        return reachability.get(node, Reachability.UNKNOWN.value)
+
+    by_stage: dict[int, list[str]] = {}
+    for node, s in stage_of.items():
+        by_stage.setdefault(s, []).append(node)
+    return {node for nodes in by_stage.values() if len(nodes) > 1 for node in nodes
+            if not any(connectable(reach(node), reach(o)) for o in nodes if o != node)}
 
 
 def apply_reachability(cost: CostMatrix, reachability: Sequence[str], params: RelayParams = RelayParams()

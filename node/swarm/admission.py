@@ -462,7 +462,8 @@ class Admission:
             return
         if self._ask_replica is None:
             return
-        others = sorted(p for p in set(self._replicas(stage)) if p not in (candidate, self.self_id))
+        # a replica no connection to can exist (behind NAT, like this node) could only time out
+        others = sorted(p for p in set(self._replicas(stage)) if p not in (candidate, self.self_id) and self._reachable(p))
         for replica in others[:MAX_REFERENCE_ASKS]:
             try:
                 reply = await asyncio.wait_for(self._ask_replica(replica, {"stage": stage, "nonce": nonce.hex()}),

@@ -378,7 +378,8 @@ class Coordinator:
                 load[s] += path.microbatches
         compute = dict(zip(current.members, self.member_compute(entries, current.members)))
         movable = [p for p in current.members if entries[p].advert.movable]
-        return propose_move(self.replan, stage_of, movable, compute, load)
+        reach = {p: entries[p].advert.reachability for p in current.members}  # never strand a NATed replica
+        return propose_move(self.replan, stage_of, movable, compute, load, reach)
 
     async def issue(self, online: list[PeerEntry], assignment: dict[str, int],
                     replan: str | None = None, move: StageMove | None = None) -> ScheduleEpoch | None:

@@ -429,7 +429,8 @@ class Daemon:
         self.view = SwarmView(run_id=cfg.run_id, self_id=self.peer_id)
         self.prober = LinkProber(cfg, self.p2p, self.peer_id, self.view, self.membership.publish_links, self.log)
         self.view.update_from_dht(await self.adverts.fetch_all(self.run.num_stages))
-        self.stages = choose_stages(cfg, self.run, self.view, self.log)
+        await self.reachability.learn(self)  # before the stage choice: a node behind NAT must not strand itself
+        self.stages = choose_stages(cfg, self.run, self.view, self.log, self.reachability.value)
 
     async def _start_control_plane(self) -> None:
         """Gossip and the coordinator, then one round of membership upkeep before the loops take over."""

@@ -21,9 +21,11 @@ from node.swarm.config import DaemonConfig
 from node.swarm.coordinator import RunConfig
 from node.swarm.replan import auto_stage
 from node.swarm.view import SwarmView
+from protocol.messages import Reachability
+from scheduler.reachability import stranded_stages
 
 __all__ = ["DEFAULT_NUM_STAGES", "HelloReply", "founding_run_config", "handshake", "check_training_summary",
-           "choose_stages", "services_summary"]
+           "choose_stages", "services_summary", "stage_reachability", "stranded_warning"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,16 +121,51 @@ async def handshake(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: s
     raise UserError("no initial peer answered the handshake: " + "; ".join(errors))
 
 
+def stage_reachability(view: SwarmView, num_stages: int) -> list[list[str]]:
+    """Per stage, the advertised reachability of each live replica of it in ``view`` (this node left out)."""
+    out: list[list[str]] = [[] for _ in range(num_stages)]
+    for entry in view.alive():
+        if entry.peer_id == view.self_id:
+            continue
+        for s in entry.advert.stages:
+            if 0 <= s < num_stages:
+                out[s].append(entry.advert.reachability)
+    return out
+
+
+def stranded_warning(stage: int, replicas: int) -> str:
+    """The one start-up line for a node behind NAT whose stage is held only by nodes behind NAT too."""
+    return (f"stage {stage}: its {replicas} live replica(s) are all behind NAT like this node, so no connection to "
+            f"them can exist: this node cannot take the stage's state from them, nor average gradients or re-sync "
+            f"with them; forward this node's port on the router and pass --announce-maddrs (see the reachability "
+            f"line), or pick another stage (--stages) or --auto")
+
+
 def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
-                  log: logging.LoggerAdapter | logging.Logger = logger) -> tuple[int, ...]:
+                  log: logging.LoggerAdapter | logging.Logger = logger,
+                  own_reachability: str = Reachability.UNKNOWN.value) -> tuple[int, ...]:
     """``--stages`` checked against the run, or with ``--auto`` the bottleneck stage (:func:`node.swarm.replan.auto_stage`:
     with ``--replan on``, by the replicas' measured capacity where they all advertise one; else the fewest live
-    replicas)."""
+    replicas) among the stages this node is not stranded on (``own_reachability``: what its dial-back found; a
+    node behind NAT cannot be connected to replicas that are all behind NAT too). A node that ends up stranded
+    anyway (pinned there, or every stage is such) is told so in one warning line."""
+    reach = stage_reachability(view, run.num_stages)
+    stranded = stranded_stages(own_reachability, reach)
     if cfg.stages is not None:
         bad = [s for s in cfg.stages if not 0 <= s < run.num_stages]
         if bad:
             raise UserError(f"stage(s) {bad} out of range: run {cfg.run_id!r} has stages 0..{run.num_stages - 1}")
-        return tuple(sorted(set(cfg.stages)))
+        chosen = tuple(sorted(set(cfg.stages)))
+    else:
+        chosen = (_auto_stage(cfg, run, view, log, stranded),)
+    for s in chosen:
+        if s in stranded:
+            log.warning("%s", stranded_warning(s, len(reach[s])))
+    return chosen
+
+
+def _auto_stage(cfg: DaemonConfig, run: RunConfig, view: SwarmView, log: logging.LoggerAdapter | logging.Logger,
+                stranded: Sequence[int]) -> int:
     counts = [0] * run.num_stages
     capacity = [0.0] * run.num_stages
     unmeasured = set()  # stages with a replica that advertises no measurement (start-up figures: another scale)
@@ -144,7 +181,8 @@ def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
     # measured speeds only with re-planning on: daemons sharing a host measure each other's contention (the
     # reason re-planning is off by default), and the coordinator plans with start-up figures then too
     measured_all = cfg.replan.enabled and all(counts[s] and s not in unmeasured for s in range(1, run.num_stages))
-    stage = auto_stage(counts, capacity if measured_all else None)
-    log.info("--auto picked stage %d (replicas per stage: %s%s)", stage, counts,
-             ", measured capacity per stage: " + ", ".join(f"{c:.3g}" for c in capacity) if measured_all else "")
-    return (stage,)
+    stage = auto_stage(counts, capacity if measured_all else None, stranded)
+    log.info("--auto picked stage %d (replicas per stage: %s%s%s)", stage, counts,
+             ", measured capacity per stage: " + ", ".join(f"{c:.3g}" for c in capacity) if measured_all else "",
+             f"; stages {list(stranded)} held only by nodes behind NAT like this one" if stranded else "")
+    return stage

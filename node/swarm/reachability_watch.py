@@ -36,7 +36,8 @@ MAX_ASKED_PEERS = 3
 
 class ReachabilityWatch:
     """A daemon service: ``start(daemon)`` registers the dial-back handler, asks the initial peers (so the
-    start-up line can say how others reach us) and keeps asking in the background; ``stop()`` ends that."""
+    start-up line can say how others reach us; :meth:`learn` may have done that already) and keeps asking in
+    the background; ``stop()`` ends that."""
 
     def __init__(self) -> None:
         self.daemon: "SwarmHost | None" = None
@@ -48,10 +49,17 @@ class ReachabilityWatch:
     def value(self) -> str:
         return self.report.reachability.value
 
-    async def start(self, daemon: "SwarmHost") -> None:
+    async def learn(self, daemon: "SwarmHost") -> None:
+        """Register the dial-back handler and ask the first round (once): the daemon calls it before it picks its
+        stage, since a node behind NAT must not take a stage whose replicas are all behind NAT too."""
+        if self.daemon is not None:
+            return
         self.daemon = daemon
         await daemon.p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, self.handler)
         await self.check()
+
+    async def start(self, daemon: "SwarmHost") -> None:
+        await self.learn(daemon)
         self._task = asyncio.create_task(self.loop(), name="reachability")
 
     async def stop(self) -> None:

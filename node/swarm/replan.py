@@ -28,7 +28,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
+
+from scheduler.reachability import stranded_replicas
 
 __all__ = ["ReplanPolicy", "StageMove", "planning_compute", "relative_speeds", "departure", "replan_reason",
            "worth_switching", "stage_times", "propose_move", "auto_stage"]
@@ -162,7 +164,8 @@ def _slowest(times: Sequence[float]) -> tuple[float, int]:
 
 
 def propose_move(policy: ReplanPolicy, stage_of: Mapping[str, int], movable: Sequence[str] | set,
-                 compute: Mapping[str, float], load: Sequence[float]) -> Optional[StageMove]:
+                 compute: Mapping[str, float], load: Sequence[float],
+                 reachability: Optional[Mapping[str, str]] = None) -> Optional[StageMove]:
     """The move of one ``movable`` node into the bottleneck stage that the swarm gains most from, or None.
 
     ``stage_of``: member -> stage; ``compute``: member -> its compute time (measured where measured);
@@ -171,7 +174,9 @@ def propose_move(policy: ReplanPolicy, stage_of: Mapping[str, int], movable: Seq
     longest stage time. A candidate is a movable node of another stage other than 0 (data nodes never move)
     that keeps at least ``min_replicas`` there; the best is the one whose move shortens the predicted time most
     (ties: from the stage with the most spare capacity, then by peer id), proposed when the throughput gain
-    (old time / new time) exceeds ``move_gain``."""
+    (old time / new time) exceeds ``move_gain``. ``reachability`` (member -> advertised value): a move that would
+    strand a replica (:func:`scheduler.reachability.stranded_replicas`: a node behind NAT among replicas all behind
+    NAT too, which it can neither average with nor take state from) is never proposed."""
     if not policy.enabled:
         return None
     times = stage_times(stage_of, compute, load)
@@ -183,6 +188,7 @@ def propose_move(policy: ReplanPolicy, stage_of: Mapping[str, int], movable: Seq
         if 0 <= s < len(load):
             counts[s] += 1
     best: Optional[tuple] = None
+    stranded = stranded_replicas(stage_of, reachability) if reachability is not None else set()
     for peer in sorted(set(movable)):
         s = stage_of.get(peer)
         c = compute.get(peer)
@@ -191,6 +197,8 @@ def propose_move(policy: ReplanPolicy, stage_of: Mapping[str, int], movable: Seq
             continue
         moved = dict(stage_of)
         moved[peer] = bottleneck
+        if reachability is not None and stranded_replicas(moved, reachability) - stranded:
+            continue
         after, _ = _slowest(stage_times(moved, compute, load))
         if after <= 0:
             continue
@@ -202,15 +210,18 @@ def propose_move(policy: ReplanPolicy, stage_of: Mapping[str, int], movable: Seq
     return best[1]
 
 
-def auto_stage(counts: Sequence[int], capacity: Optional[Sequence[float]] = None) -> int:
+def auto_stage(counts: Sequence[int], capacity: Optional[Sequence[float]] = None,
+               stranded: Collection[int] = ()) -> int:
     """The stage a node joining with ``--auto`` takes: a stage nobody holds (the lowest), else the bottleneck
     among the stages other than 0 (a data node brings its own microbatches, so it never relieves one): the
     least ``capacity`` (summed 1 / compute time of the stage's replicas) where every such stage has one, the
-    fewest replicas otherwise (ties: the lowest stage)."""
+    fewest replicas otherwise (ties: the lowest stage). ``stranded``: stages whose replicas this node could not
+    be connected to (:func:`scheduler.reachability.stranded_stages`), left out while another stage remains."""
     empty = [s for s, n in enumerate(counts) if n <= 0]
     if empty:
         return empty[0]
     stages = list(range(1, len(counts))) or [0]
+    stages = [s for s in stages if s not in stranded] or stages
     if capacity is not None and len(capacity) == len(counts) and all(capacity[s] > 0 for s in stages):
         return min(stages, key=lambda s: (capacity[s], s))
     return min(stages, key=lambda s: (counts[s], s))

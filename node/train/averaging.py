@@ -36,7 +36,8 @@ import torch
 
 from protocol.compression import wire_format
 
-__all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on", "AVERAGING_COMPRESSIONS",
+__all__ = ["AveragingConfig", "StageAverager", "averager_prefix", "groupmates_went_on", "AveragingGroup",
+           "averaging_group", "AVERAGING_COMPRESSIONS",
            "averaging_compression_for_wire", "hivemind_compression"]
 
 
@@ -148,6 +149,33 @@ def groupmates_went_on(me: str, groupmates: Sequence[str], records: Dict[str, di
     return True
 
 
+@dataclass(frozen=True)
+class AveragingGroup:
+    """The replicas of our stage that this replica averages with (itself included), and whether it joins
+    hivemind's all-reduce in client mode (see :func:`averaging_group`)."""
+
+    peers: tuple
+    client_mode: bool
+
+
+def averaging_group(me: str, replicas: Sequence[str], reaches: Optional[Callable[[str], bool]] = None
+                    ) -> AveragingGroup:
+    """Whom replica ``me`` averages with: the stage's ``replicas`` that a connection can exist to
+    (``reaches(peer)``: False for a peer behind NAT when we are behind NAT too; None: every peer).
+
+    A replica left out this way is never waited for (it could only cost a matchmaking timeout every
+    iteration). When some replica is left out, this one is outbound-only and shares the stage with another
+    outbound-only replica that the same hivemind group may take in through a dialable replica; hivemind's
+    butterfly all-reduce has every non-client peer reduce a part that every other peer sends it, which would
+    need a connection between the two. So this replica joins in client mode: it reduces no part, only sends
+    its tensors to the dialable peers (over connections it opens) and receives the means back. With only
+    dialable groupmates it stays a normal peer: the dialable ones reach it over the connections it opened
+    (measured in the NAT lab: every round averaged), and it reduces its share of the parts instead of sending
+    all of its tensors to others and taking all of the means back."""
+    group = tuple(p for p in dict.fromkeys(replicas) if p == me or reaches is None or reaches(p))
+    return AveragingGroup(group, client_mode=len(group) < len(set(replicas) | {me}))
+
+
 def averager_prefix(run_id: str, stage: int, epoch: int) -> str:
     """DHT prefix of one averaging group; hivemind forbids '.' in it."""
     safe_run = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)
@@ -158,7 +186,7 @@ class StageAverager:
     """Weighted all-reduce of one stage's gradient tensors among that stage's replicas."""
 
     def __init__(self, dht, like: Sequence[torch.Tensor], *, prefix: str, group_size: int,
-                 cfg: AveragingConfig = AveragingConfig()):
+                 cfg: AveragingConfig = AveragingConfig(), client_mode: bool = False):
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("DecentralizedAverager must be created on the main thread")
         hivemind = import_hivemind()
@@ -178,6 +206,7 @@ class StageAverager:
             allreduce_timeout=self.allreduce_timeout_s,
             allow_state_sharing=False,
             compression=hivemind_compression(cfg.compression),
+            client_mode=client_mode,  # see averaging_group
         )
         self._started = False
         self.last_group: tuple = ()

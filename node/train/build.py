@@ -5,10 +5,10 @@ the results in its :class:`node.train.progress.StageResources`."""
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from node.errors import UserError
-from node.train.averaging import StageAverager, averager_prefix
+from node.train.averaging import StageAverager, averager_prefix, averaging_group
 from node.train.data import DataShard, TokenSplits, load_splits
 
 __all__ = ["hop_deadlines", "microbatch_guard", "data_shard", "rebuild_averager"]
@@ -54,15 +54,20 @@ def data_shard(cfg, epochs, splits: Optional[TokenSplits]) -> Tuple[Optional[Dat
     return DataShard(splits, cfg.data, data_nodes.index(epochs.index), len(data_nodes)), splits
 
 
-async def rebuild_averager(old: Optional[StageAverager], dht, runtime, cfg, epochs) -> Optional[StageAverager]:
-    """Shut ``old`` down and start the averager of the current epoch's stage group (None without another replica)."""
+async def rebuild_averager(old: Optional[StageAverager], dht, runtime, cfg, epochs,
+                           reaches: Optional[Callable[[str], bool]] = None) -> Optional[StageAverager]:
+    """Shut ``old`` down and start the averager of the current epoch's stage group: the replicas a connection can
+    exist to (``reaches``, :func:`node.train.averaging.averaging_group`); None without another such replica."""
     if old is not None:
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown)
-    group = epochs.replicas(epochs.stage)
-    if len(group) <= 1:
+    replicas = epochs.replicas(epochs.stage)
+    group = averaging_group(epochs.peer_id, replicas, reaches)
+    if len(group.peers) <= 1:
         return None
     assert runtime is not None
+    # the group size is every replica's: a replica we cannot reach may still join our hivemind group through
+    # a dialable one, and hivemind needs the target size to be at least the size of any group it assembles
     averager = StageAverager(dht, runtime.grads(), prefix=averager_prefix(cfg.run_id, epochs.stage, epochs.epoch.epoch),
-                             group_size=len(group), cfg=cfg.averaging)
+                             group_size=len(set(replicas)), cfg=cfg.averaging, client_mode=group.client_mode)
     await averager.start()
     return averager

@@ -37,7 +37,8 @@ from scheduler.simulator import allreduce_time_s
 from node.train.averaging import groupmates_went_on
 from node.train.common import DoneFromNorm, IterationState, IterationStats, NodeLog
 from node.train.precision import loss_scales_agree
-from node.train.resync import TIE_EVERY_ITERATIONS, ResyncAction, ResyncDecision, resync_decision, within_tie_bound
+from node.train.resync import (TIE_EVERY_ITERATIONS, ResyncAction, ResyncDecision, reachable_source, resync_decision,
+                               within_tie_bound)
 from node.train.runtime import clip_coefficient
 from node.train.screening import AveragingScreen, robust_squared_norm
 
@@ -231,11 +232,11 @@ class IterationCommit:
         self.resources.averager.prepare(expected_s=last)
 
     def _live_replicas(self) -> list:
-        return [p for p in self.epochs.replicas(self.epochs.stage) if self.health.is_alive(p)]
+        return [p for p in self.epochs.replicas(self.epochs.stage) if self.health.is_alive(p) and self.health.reaches(p)]
 
     async def _average(self, it: int) -> Optional[bool]:
         assert self.resources.runtime is not None
-        group = self.epochs.replicas(self.epochs.stage)
+        group = [p for p in self.epochs.replicas(self.epochs.stage) if self.health.reaches(p)]  # as averaging_group
         live = self._live_replicas()
         await self.compute(self.resources.runtime.mean_grads)  # device work: in the compute thread
         if self.resources.averager is None or len(live) < 2:
@@ -405,8 +406,8 @@ class IterationCommit:
         return {p: (r.stage, r.checksum) for p, r in records.items() if p == self.peer_id or self.health.trusted(p)}
 
     def _resync_decision(self, records: Mapping[str, NormRecord], mine: float) -> ResyncDecision:
-        decision = resync_decision(self._trusted_checksums(records), mine, self.epochs.stage, self.peer_id,
-                                   self.cfg.resync_tolerance)
+        decision = reachable_source(resync_decision(self._trusted_checksums(records), mine, self.epochs.stage,
+                                                    self.peer_id, self.cfg.resync_tolerance), self.health.reaches)
         if decision.action is ResyncAction.FOLLOW or decision.action is ResyncAction.TIE:
             self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g; %s); re-syncing",
                              self.epochs.stage, decision.source[-8:], mine, records[decision.source].checksum,

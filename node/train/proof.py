@@ -58,14 +58,18 @@ class StageProof:
 
     def __init__(self, cfg, stage: int, *, peer_id: str, p2p, dht, epoch: Callable[[], object],
                  node_name: Optional[str] = None, wanted: Callable[[], bool] = lambda: True,
-                 stage_now: Optional[Callable[[], Optional[int]]] = None):
+                 stage_now: Optional[Callable[[], Optional[int]]] = None,
+                 reaches: Optional[Callable[[str], bool]] = None):
         """``epoch()``: the host's adopted schedule epoch (whose replicas of ``stage`` serve the state);
         ``wanted()``: False while no proof is needed (a trainer of this node holds the stage, or the epoch
         names this node): nothing is downloaded then; ``stage_now()``: the stage the node advertises now (a
-        moved node proves its new stage; the old stage's state is dropped)."""
+        moved node proves its new stage; the old stage's state is dropped); ``reaches(peer)``: False for a replica
+        no connection to can exist (behind NAT like this node): asked last, as it can only back a state by its
+        sketch in the DHT, never hand one over."""
         self.cfg, self.stage, self.peer_id = cfg, stage, peer_id
         self.p2p, self.dht, self._epoch, self._wanted = p2p, dht, epoch, wanted
         self._stage_now = stage_now
+        self._reaches = reaches or (lambda peer: True)
         self.log = NodeLog(logger, node_name)
         self.module = None  # the stage with the last verified state, None until one was taken
         self.iteration: Optional[int] = None
@@ -103,11 +107,15 @@ class StageProof:
         if stage is not None and stage != self.stage:
             self.stage, self.module, self.iteration, self.fetched_at, self._pace = stage, None, None, None, None
 
+    def sources(self, epoch) -> List[str]:
+        """The replicas of our stage in ``epoch`` to download from, those we can be connected to first."""
+        return sorted(stage_replicas(epoch, self.stage, exclude=self.peer_id), key=lambda p: not self._reaches(p))
+
     async def _keep_fresh(self) -> None:
         while True:
             self._follow_stage()
             epoch = self._epoch()
-            replicas = stage_replicas(epoch, self.stage, exclude=self.peer_id)
+            replicas = self.sources(epoch)
             if not replicas or not self._wanted() or self.peer_id in getattr(epoch, "members", ()):
                 await asyncio.sleep(IDLE_POLL_S)
                 continue
@@ -174,7 +182,7 @@ def proof_for(cfg, host, node_name: Optional[str], wanted: Callable[[], bool]) -
         return None
     return StageProof(cfg, stage, peer_id=str(host.peer_id), p2p=host.p2p, dht=host.dht,
                       epoch=lambda: host.current_epoch, node_name=node_name, wanted=wanted,
-                      stage_now=lambda: advertised_stage(cfg, host))
+                      stage_now=lambda: advertised_stage(cfg, host), reaches=host.reaches_directly)
 
 
 async def held_sketch(stage: int, nonce: bytes, trainer, trains: bool, proof: Optional[StageProof],

@@ -31,9 +31,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple
 
-__all__ = ["ResyncAction", "ResyncDecision", "resync_decision", "within_tie_bound", "TIE_MAX_LR_STEPS",
+__all__ = ["ResyncAction", "ResyncDecision", "resync_decision", "reachable_source", "within_tie_bound", "TIE_MAX_LR_STEPS",
            "TIE_LR_STEPS_PER_SKIP", "TIE_EVERY_ITERATIONS"]
 
 #: Largest per-element difference, in units of the learning rate, between our weights and a tie's
@@ -111,6 +111,21 @@ def resync_decision(replicas: Mapping[str, Tuple[int, float]], mine: float, stag
         return ResyncDecision(ResyncAction.KEEP, why="two replicas disagree; the other one sorts later")
     sizes = "/".join(str(len(g)) for g in groups)
     return ResyncDecision(ResyncAction.REFUSE, why=f"no majority among {n} replicas (groups of {sizes})")
+
+
+def reachable_source(decision: ResyncDecision, reaches: Callable[[str], bool]) -> ResyncDecision:
+    """``decision`` with a download source a connection can exist to (``reaches(peer)``: False for a replica
+    behind NAT when we are behind NAT too): the first reachable peer of the source's group, which holds the
+    same weights. With none, the copy cannot happen: each keeps its own state (``REFUSE``), instead of a
+    download that could only time out at every iteration."""
+    if decision.source is None or reaches(decision.source):
+        return decision
+    source = next((p for p in decision.backers if reaches(p)), None)
+    if source is None:
+        return ResyncDecision(ResyncAction.REFUSE, why=f"{decision.why}; but no replica holding those weights can "
+                                                       f"be reached (all behind NAT, like this node)")
+    backers = (source,) + tuple(p for p in decision.backers if p != source)
+    return ResyncDecision(decision.action, source, backers, decision.why)
 
 
 def within_tie_bound(mine: Mapping[str, "object"], theirs: Mapping[str, "object"], lr: float,

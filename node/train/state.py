@@ -103,11 +103,11 @@ class StageState:
         when the stage's other replicas back it (:func:`fetch_verified_state`)."""
         from node.dataplane.state_transfer import StateDisputed, StateTransferError, fetch_verified_state
         expected = self.expected()
-        # live replicas first (then by peer id, so every joiner asks in the same order), but ask the
-        # others too: under load a live peer's advert can lapse for a moment, and a dead one only costs
-        # a failed dial
+        # live replicas we can be connected to first (then by peer id, so every joiner asks in the same order),
+        # but ask the others too: under load a live peer's advert can lapse for a moment, and a dead one only
+        # costs a failed dial; one behind NAT like us cannot hand its state over but can back it (its sketch)
         peers = sorted((p for p in self.epochs.replicas(self.epochs.stage) if p != self.peer_id),
-                       key=lambda p: (not self.health.is_alive(p), p))
+                       key=lambda p: (not (self.health.is_alive(p) and self.health.reaches(p)), p))
         snap, error, peer = None, None, None
         for attempt in range(1, self.cfg.state_fetch_attempts + 1):
             try:

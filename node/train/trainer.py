@@ -318,7 +318,7 @@ class TrainerNode:
 
     async def _build_averager(self) -> None:
         self.resources.averager = await rebuild_averager(self.resources.averager, self.dht, self.runtime, self.cfg,
-                                                         self.epochs)
+                                                         self.epochs, self.health.reaches)
 
     # ------------------------------------------------------------------ epochs and pauses
     def offer_epoch(self, epoch) -> None:

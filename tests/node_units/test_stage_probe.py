@@ -274,7 +274,8 @@ def test_a_moved_node_proves_its_new_stage():
 
     from node.train import proof
 
-    host = SimpleNamespace(stages=(1,), peer_id="me", p2p=None, dht=None, current_epoch=None)
+    host = SimpleNamespace(stages=(1,), peer_id="me", p2p=None, dht=None, current_epoch=None,
+                           reaches_directly=lambda peer: True)
     cfg = SimpleNamespace(model=model_config("tiny"))
     p = proof.proof_for(cfg, host, None, wanted=lambda: True)
     p.module, p.iteration = object(), 7

@@ -1,0 +1,80 @@
+"""Two replicas behind NAT and a public one of the same stage average together, through the public one.
+
+Real hivemind averagers on real DHTs (loopback), built by :func:`node.train.build.rebuild_averager` from each
+replica's reachability: the public replica P as a normal peer, the NATed A and B (each unreachable to the
+other) in client mode, so the all-reduce needs no connection into A or B (a client-mode averager serves
+no all-reduce part at all). All three must come out with the same weighted mean; a stage of only NATed
+replicas gets no averager (nobody to wait for).
+"""
+
+import asyncio
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from node.compat import import_hivemind
+from node.train.averaging import AveragingConfig
+from node.train.build import rebuild_averager
+
+pytestmark = pytest.mark.timeout(240)
+
+#: short windows; a round that finds no group fails after 60 s (returns False), far more than a loopback
+#: group of three needs, so the test fails instead of hanging
+QUICK = AveragingConfig(min_matchmaking_time_s=1.0, request_timeout_s=0.5, round_window_s=2.0,
+                        matchmaking_timeout_s=60.0)
+
+
+def _inputs(me: str, replicas):
+    """What rebuild_averager reads: the run id and averaging config, this replica's epoch view, its gradients."""
+    cfg = SimpleNamespace(run_id="natavg", averaging=QUICK)
+    epochs = SimpleNamespace(peer_id=me, stage=1, epoch=SimpleNamespace(epoch=1), replicas=lambda stage: list(replicas))
+    runtime = SimpleNamespace(grads=lambda: [torch.zeros(3)])
+    return cfg, epochs, runtime
+
+
+@contextlib.asynccontextmanager
+async def dhts(n: int):
+    hivemind = import_hivemind()
+    loop = asyncio.get_running_loop()
+    first = await loop.run_in_executor(None, lambda: hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    maddrs = [str(m) for m in first.get_visible_maddrs()]
+    out = [first]
+    try:
+        for _ in range(n - 1):
+            out.append(await loop.run_in_executor(None, lambda: hivemind.DHT(
+                start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])))
+        yield out
+    finally:
+        for d in reversed(out):
+            await loop.run_in_executor(None, d.shutdown)
+
+
+async def test_natted_replicas_average_through_the_public_one_in_client_mode():
+    replicas = ["A", "B", "P"]
+    reaches = {"A": {"P": True, "B": False}, "B": {"P": True, "A": False}, "P": {"A": True, "B": True}}
+    loop = asyncio.get_running_loop()
+    async with dhts(3) as (dp, da, db):
+        built = {}
+        try:
+            for name, dht in (("P", dp), ("A", da), ("B", db)):
+                cfg, epochs, runtime = _inputs(name, replicas)
+                built[name] = await rebuild_averager(None, dht, runtime, cfg, epochs, reaches[name].get)
+            p, a, b = built["P"], built["A"], built["B"]
+            assert (p._avg.client_mode, a._avg.client_mode, b._avg.client_mode) == (False, True, True)
+            # a stage whose only other replica is behind NAT like us: no averager, so no round to wait out
+            cfg, epochs, runtime = _inputs("A", ["A", "B"])
+            assert await rebuild_averager(None, da, runtime, cfg, epochs, reaches["A"].get) is None
+
+            tp, ta, tb = [torch.full((3,), 1.0)], [torch.full((3,), 4.0)], [torch.full((3,), 7.0)]
+            ok = await asyncio.gather(p.average(tp, weight=1.0), a.average(ta, weight=1.0), b.average(tb, weight=2.0))
+            assert ok == [True, True, True]
+            mean = (1.0 + 4.0 + 2 * 7.0) / 4
+            for t in (tp, ta, tb):
+                assert torch.allclose(t[0], torch.full((3,), mean)), (tp, ta, tb)
+            assert len(set(a.last_group)) == len(set(b.last_group)) == 3  # one group of all three, through P
+        finally:
+            for x in built.values():
+                if x is not None:
+                    await loop.run_in_executor(None, x.shutdown)
