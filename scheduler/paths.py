@@ -786,7 +786,7 @@ def _local_search(
     interferer_share: float = 0.0,
     task_budget: int | None = None,
     component_steps: int = 0,
-    step_floor_tasks: int = 150,
+    step_floor_tasks: int = 300,
     component_share: float = 0.5,
 ) -> tuple[int, bool, int]:
     """Simulation-guided local search, in place on ``cur``. Returns (iterations done, budget hit,
@@ -808,8 +808,9 @@ def _local_search(
     little to be worth the bookkeeping), a step simulates only the component its change can
     affect, and the search runs up to ``component_steps`` steps until the tasks it simulated reach
     ``task_budget`` (the same work budget the full simulations spend), each step counting at least
-    ``step_floor_tasks`` for its own bookkeeping (150: about the Python work of one step in
-    simulated tasks, so a step that simulates nothing still costs). Only without shared links
+    ``step_floor_tasks`` for its own bookkeeping (so that a step that simulates nothing still
+    costs; 300: on the 1,000-node geo setting 50, 100, 150 and 300 all end at 63.64 s, 300 in
+    2,258 steps against 3,691 at 150, which keeps that plan under 10 s on 2 cores). Only without shared links
     (``pb.link_busy_s`` None): the simulator checks a busy matrix, O(nodes^2), on every call.
     """
     cost, memory = pb.cost, pb.memory
