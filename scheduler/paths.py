@@ -809,7 +809,8 @@ def _local_search(
     affect, and the search runs up to ``component_steps`` steps until the tasks it simulated reach
     ``task_budget`` (the same work budget the full simulations spend), each step counting at least
     ``step_floor_tasks`` for its own bookkeeping (so that a step that simulates nothing still
-    costs; 300: on the 1,000-node geo setting 50, 100, 150 and 300 all end at 63.64 s, 300 in
+    costs; 300: on the 1,000-node geo setting, with the allocation before its proportional start,
+    50, 100, 150 and 300 all end at 63.64 s, 300 in
     2,655 steps against 3,691 at 150, which keeps that plan under 10 s on 2 cores). Only without shared links
     (``pb.link_busy_s`` None): the simulator checks a busy matrix, O(nodes^2), on every call.
     """
