@@ -63,14 +63,14 @@ def _four_locations(per_location: int = 24):
     return CostMatrix((1.0,) * n, link), where
 
 
-def test_a_work_capped_search_starts_from_every_location_holding_every_stage_in_proportion():
+def test_one_start_holds_every_stage_in_every_location_in_proportion():
     """With few generations (large allocations) the random starts' imbalance stays: a location
     with many data nodes and few replicas sends its data nodes to other locations. One start deals
     every location its share of every stage, and the elitist search never ends worse than it."""
     cost, where = _four_locations()
     sizes = [24, 18, 18, 18, 18]
     template = np.concatenate([np.full(k, s) for s, k in enumerate(sizes)])
-    labels = _proportional(cost, template)
+    labels = _proportional(cost, template, len(sizes))
     for s, k in enumerate(sizes):
         per_location = np.bincount([where[v] for v in np.flatnonzero(labels == s)], minlength=4)
         assert per_location.max() - per_location.min() <= 1 and per_location.sum() == k
@@ -78,5 +78,6 @@ def test_a_work_capped_search_starts_from_every_location_holding_every_stage_in_
     capped = allocate(cost, sizes, 0, cell_budget=1)  # the work budget allows only min_generations
     assert capped.generations < 120
     assert capped.score <= start + 1e-12
+    assert _proportional(cost, template, 25) is None  # locations of 24 nodes cannot hold 25 stages
     for s in range(len(sizes)):  # so it still holds every stage in every location
         assert set(where[v] for v in capped.stages[s]) == {0, 1, 2, 3}
