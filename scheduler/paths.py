@@ -15,6 +15,9 @@ search node and stops on heuristic thresholds):
    both ways plus forward + backward compute), where each node's compute is inflated by
    ``load_weight x`` the work already placed on it. ``load_weight = 0`` with even per-node caps
    is collision-blind ("SkipPipe without TC2"); positive weights spread load.
+   Where the local search is cut short by its task budget, one more start gives every data node
+   replicas of its own (:func:`replica_set_routes`), and from it a search step simulates only
+   the data nodes its change can reach through shared replicas (:mod:`scheduler.components`).
 2. **Collision-aware refinement (TC2).** The best construction (by simulated iteration time)
    is improved by a seeded local search whose objective is the event simulation itself
    (:mod:`scheduler.simulator`): change a replica, exchange a stage between two microbatches,
@@ -668,6 +671,12 @@ def schedule_paths_report(
         setting (seeds 0-2) it gave 63.8 s against 64.6 s without; 0.15 and 0.2 did worse.
     robust_task_budget: simulated tasks the judging may take (a fifth of the search's default
         ``simulated_task_budget``): at 1,000 nodes only the result and one alternative are judged.
+    replica_sets: where ``simulated_task_budget`` cuts the local search below
+        ``base_iterations + iterations_per_microbatch x microbatches`` steps, also start from
+        :func:`replica_set_routes` (every data node its own replicas); from such a start a step
+        simulates only the data nodes its change can affect (:mod:`scheduler.components`), so the
+        same task budget buys more steps. On the geo setting: 200 nodes 63.1 -> 61.5 s, 1,000 nodes
+        63.6 s instead of 70.1 s on the same allocation; 20 nodes are not cut and keep their plan.
     """
     out = search_paths(stages, cost, path_length, microbatches_per_data_node, memory, seed, budget_s, **options)
     return out.schedule, out.report

@@ -52,6 +52,7 @@ def improve_sets(
     near_share: float = 0.3,
     near: int = 12,
     whole_share: float = 0.3,
+    random_whole_share: float = 0.2,
 ) -> list[tuple[int, ...]]:
     """Improved copy of ``routes`` (one per unit ``(data node, weight)``, in the same order).
 
@@ -65,6 +66,8 @@ def improve_sets(
     seed, 0.5 with any ``near_share`` 66.3-77.3 s (the worst unit's moves all fail, and the
     others never make room); ``near`` 12 is a stage's replicas in one location there (12.5);
     ``whole_share`` 0 gave the same, 0.3 lets a data node on a far set take a near one in one move.
+    random_whole_share: fraction of the exchanges with a random unit that swap whole routes (the
+    rest swap one replica); a fifth, not tuned: the exchanges with a random unit mostly make room.
     """
     out = list(routes)
     n = len(out)
@@ -137,7 +140,7 @@ def improve_sets(
             rb = out[b][1:]
         if targeted:
             pass
-        elif rng.random() < 0.2:  # whole routes
+        elif rng.random() < random_whole_share:  # whole routes
             na, nb = rb, ra
         else:
             sa = {stage_of[v]: v for v in ra}
