@@ -166,6 +166,7 @@ def allocate(
     pp_weight: float = 1.0,
     dp_weight: float = 0.5,
     skip_aware: bool = True,
+    proportional_start: bool = True,
 ) -> AllocationResult:
     """Assign ``sum(stage_sizes)`` of the ``cost.n_nodes`` nodes to stages.
 
@@ -179,6 +180,15 @@ def allocate(
     budget_s: wall-clock safety cap. Not reached, the result depends only on the inputs and
         ``seed``; reached, the search stops early and ``budget_hit`` says so.
     Extra nodes (more than the stages need) are left out, chosen by the search too.
+    proportional_start: where every location has at least as many nodes as there are stages,
+        one of the starting individuals is :func:`_proportional` (every location holds every
+        stage in proportion to its size) instead of a random one. The random starts' imbalance
+        stays: on the 1,000-node geo setting (32 generations) one location had 33 data nodes and
+        50 replicas, another 13 and 70, and its data nodes had to borrow replicas on other
+        continents; the start gives a lower score there (71.41 -> 71.30) and at 200 nodes
+        (71.42 -> 71.37). Where locations are smaller than that (20 nodes over 12 locations) a
+        proportional deal is an arbitrary allocation, and taking the place of a random start it
+        made the 20-node result worse (score 8.18 -> 8.27).
     """
     sizes = [int(x) for x in stage_sizes]
     if not sizes or any(x < 1 for x in sizes):
@@ -216,6 +226,9 @@ def allocate(
         pop.append((score(x), x))
     budget = generation_budget(sizes, generations, refine_trials, cell_budget=cell_budget,
                                min_generations=min_generations, skip_aware=skip_aware)
+    x = _proportional(cost, template, S) if proportional_start else None
+    if x is not None:
+        pop[0] = (score(x), x)
     done, hit = 0, False
     for done in range(1, budget + 1):
         if time.perf_counter() - t0 > budget_s:
@@ -242,3 +255,27 @@ def allocate(
     best_f, best = min(pop, key=lambda p: p[0])
     stages = tuple(tuple(int(v) for v in np.flatnonzero(best == s)) for s in range(S))
     return AllocationResult(stages, best_f, done, hit, budget)
+
+
+def _proportional(cost: CostMatrix, template: np.ndarray, n_stages: int) -> np.ndarray | None:
+    """Labels giving each location (nodes whose link times to every other node are equal: with
+    profile costs, the nodes of one location) every label of ``template`` in proportion to its
+    count: the nodes, ordered location by location, are dealt the label furthest behind its share
+    so far (then the lower label). None where some location has fewer nodes than ``n_stages``."""
+    link = np.array(cost.link_s, dtype=float)
+    off = link + np.diag(np.full(len(link), np.inf))
+    np.fill_diagonal(link, off.min(axis=1))  # a node's own entry as its nearest link: equal rows per location
+    compute = np.asarray(cost.compute_s, dtype=float)
+    _, location, size = np.unique(np.c_[link, compute], axis=0, return_inverse=True, return_counts=True)
+    if size.min() < n_stages:
+        return None
+    order = np.lexsort((np.arange(len(link)), np.asarray(location).reshape(-1)))
+    counts = np.bincount(template)
+    given = np.zeros(len(counts))
+    n = len(template)
+    out = np.empty(n, dtype=int)
+    for k, v in enumerate(order):
+        label = int(np.argmax((k + 1) * counts / n - given))  # ties: the lowest label
+        given[label] += 1
+        out[v] = label
+    return out
