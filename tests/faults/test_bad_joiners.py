@@ -44,6 +44,9 @@ OTHER_MODEL = {"layers": 4, "d_model": 32, "heads": 4, "kv_heads": 2, "ffn": 96,
 DIFFERING = ("model.d_model", "model.layers_per_stage", "model.context")
 #: Number of made-up identities the outsider announces.
 FAKES = 30
+#: a run the test stops itself: 1,000 iterations of this 2-node swarm once ran out (under load the joiners
+#: took a minute to earn membership) before the last joiner had tried the liar's state
+RUN_UNTIL_STOPPED = 100000
 #: ``sitecustomize`` that makes one daemon hold wrong weights for its stage as its admission proof, and another
 #: serve wrong stage state.
 EVIL_HOOKS = pathlib.Path(__file__).resolve().parent / "evil_state"
@@ -443,7 +446,7 @@ def test_membership_needs_the_stage_and_a_lying_replica_of_two_moves_no_one(tmp_
                SKIPPIPE_TEST_EVIL_IDENTITY=str(base / "node1" / "identity.key"), SKIPPIPE_TEST_EVIL_MODE=str(mode),
                SKIPPIPE_TEST_EVIL_MARKER=str(tmp_path / "unused"))
     swarm = ProcessSwarm(2, [1, 1], base_dir=base, run_id="wrong-stage", heartbeat_s=1.0, env=env,
-                         extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}"))
+                         extra_args=lambda i: train_args(RUN_UNTIL_STOPPED, 2, "--node-name", f"node{i}"))
     watch = None
     try:
         watch, _ = _start_training(swarm)
