@@ -12,24 +12,41 @@ training RPC, the epochs and the logs, never from a timing.
 """
 
 import math
+import time
 
 import pytest
 
 from node.launch.process_swarm import ProcessSwarm
 from node.net.rpc import call_http
 from node.train.checkpoint import CheckpointStore
-from tests.faults.daemon_helpers import assert_each_step_committed_once, train_args, wait_for
+from tests.faults.daemon_helpers import train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-#: The move needs 8 steps measured per replica, then a heartbeat and a 5 s lead: partly iterations, partly
-#: seconds. On an idle box an iteration here takes about 0.8 s, so 16 iterations (13 s) ended before the
-#: move landed; 40 leave room for it whether the box is idle or loaded.
-ITERATIONS = 40
+#: The run goes on until the test has seen the move and stops it. The move needs 8 steps measured per
+#: replica, then a heartbeat and a 5 s lead: partly iterations, partly seconds, so no fixed length fits every
+#: box (16 iterations ended before it on an idle one; a re-plan, half of a move, took over 16 in CI).
+RUN_UNTIL_STOPPED = 100000
+AFTER_MOVE = 3  # iterations the mover must commit on its new stage before the test stops the swarm
 MICROBATCHES = 4
 COMPUTE_S = 0.004  # every node's padded compute per sample per layer: above a tiny stage's real work
 SLOWDOWN = 4.0
 DATA, AUTO_A, AUTO_B, SLOW = 0, 1, 2, 3
+
+
+def _wait_for_the_move_and_training_after_it(swarm: ProcessSwarm, timeout: float) -> dict:
+    """Every node's training state once an ``--auto`` node trains stage 2 on downloaded state and every node
+    committed :data:`AFTER_MOVE` iterations after the one that state was taken at."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = wait_for(swarm, range(4), lambda s: True, 60, "the training states")
+        moved = [states[i]["state_source"]["iteration"] for i in (AUTO_A, AUTO_B)
+                 if states[i].get("stage") == 2 and states[i].get("state_source")]
+        if moved and all((s.get("committed_iteration") or -1) >= moved[0] + AFTER_MOVE for s in states.values()):
+            return states
+        summary = {i: (s.get("stage"), s.get("committed_iteration")) for i, s in states.items()}
+        assert time.monotonic() < deadline, f"no move and {AFTER_MOVE} iterations after it in {timeout:.0f} s: {summary}"
+        time.sleep(1.0)
 
 
 def test_an_auto_node_moves_to_the_slow_stage_downloads_its_state_and_trains_it(tmp_path):
@@ -37,8 +54,8 @@ def test_an_auto_node_moves_to_the_slow_stage_downloads_its_state_and_trains_it(
 
     def args(i):
         compute = COMPUTE_S * (SLOWDOWN if i == SLOW else 1.0)
-        return train_args(ITERATIONS, 4, "--node-name", f"node{i}", "--compute-s-per-sample-per-layer",
-                          repr(compute), "--checkpoint-dir", str(ckpt)) + [
+        return train_args(RUN_UNTIL_STOPPED, 4, "--node-name", f"node{i}", "--compute-s-per-sample-per-layer",
+                          repr(compute), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1") + [
             "--microbatches", str(MICROBATCHES), "--replan", "on", "--replan-interval", "0"]
 
     swarm = ProcessSwarm(4, [1, 2, 1], base_dir=tmp_path / "swarm", run_id="stagemove", heartbeat_s=1.0,
@@ -52,13 +69,14 @@ def test_an_auto_node_moves_to_the_slow_stage_downloads_its_state_and_trains_it(
                 swarm.spawn(swarm.nodes[i])
             swarm.wait_ready([swarm.nodes[i] for i in group], 240)
         assert [swarm.nodes[i].stage for i in (AUTO_A, AUTO_B)] == [1, 1], [n.stage for n in swarm.nodes]
-        done = wait_for(swarm, range(4), lambda s: s.get("state") == "done", 400, "training to finish")
+        done = _wait_for_the_move_and_training_after_it(swarm, 400)
         last = call_http(swarm.nodes[DATA].rpc_url, "schedule", {}, timeout=10)
         peers = {p["peer_id"]: p for p in call_http(swarm.nodes[DATA].rpc_url, "swarm", {}, timeout=10)["peers"]}
         logs = {i: swarm.nodes[i].log_path.read_text(errors="replace") for i in range(4)}
     finally:
         swarm.stop()
-    assert_each_step_committed_once(done, [DATA], range(4), ITERATIONS, "with a stage move")
+    its = [h["iteration"] for h in done[DATA]["history"]]
+    assert its == list(range(len(its))), f"the data node committed {its}"  # every step once, in order
     assert all(math.isfinite(h["loss"]) for h in done[DATA]["history"]), done[DATA]["history"]
 
     movers = [i for i in (AUTO_A, AUTO_B) if done[i]["stage"] == 2]
@@ -73,10 +91,10 @@ def test_an_auto_node_moves_to_the_slow_stage_downloads_its_state_and_trains_it(
     assert index in last["schedule"]["stages"][2], last["schedule"]["stages"]
     assert peers[done[mover]["peer_id"]]["stages"] == [2]
     its = [h["iteration"] for h in done[mover]["history"]]
-    assert its == list(range(its[0], ITERATIONS)), its
+    assert its == list(range(its[0], its[0] + len(its))), its
     # its old stage's checkpoint is kept, whole, at the last iteration it committed there (the one before the
-    # state it downloaded); the new stage checkpoints to its own file
+    # state it downloaded); the new stage checkpoints to its own file (every iteration here)
     moved_at = done[mover]["state_source"]["iteration"]
     old = CheckpointStore(ckpt, "stagemove", 1, f"node{mover}").load()
     new = CheckpointStore(ckpt, "stagemove", 2, f"node{mover}").load()
-    assert old is not None and old.iteration == moved_at and new is not None and new.iteration == ITERATIONS - 1
+    assert old is not None and old.iteration == moved_at and new is not None and new.iteration >= moved_at + AFTER_MOVE
