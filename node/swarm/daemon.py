@@ -65,7 +65,7 @@ from node.swarm.config import DaemonConfig
 from node.swarm.coordinator import DEFAULT_BANDWIDTH_Bps, Coordinator, RunConfig
 from node.swarm.gossip import GossipService
 from node.swarm.gossip_access import GossipAccessControl
-from node.swarm.handshake import choose_stages, founding_run_config, handshake, services_summary
+from node.swarm.handshake import choose_stages, complete_the_view, founding_run_config, handshake, services_summary
 from node.net.ping import PING_PROTOCOL, PingHandler
 from node.net.runconfig import summary_digest
 from node.swarm.admission import Admission
@@ -202,9 +202,7 @@ class Daemon:
             return True
         if not self.access.listed(peer_id):
             return False
-        if self.access.swarm_key is not None:
-            return self.view is not None and self.view.get(peer_id) is not None
-        return True
+        return self.access.swarm_key is None or (self.view is not None and self.view.get(peer_id) is not None)
 
     def register_rpc(self, name: str, method: Callable[[dict], Awaitable[Any]]) -> None:
         """Expose ``method(params)`` over libp2p and local HTTP RPC (members only over libp2p in a
@@ -430,6 +428,8 @@ class Daemon:
         self.prober = LinkProber(cfg, self.p2p, self.peer_id, self.view, self.membership.publish_links, self.log)
         self.view.update_from_dht(await self.adverts.fetch_all(self.run.num_stages))
         await self.reachability.learn(self)  # before the stage choice: a node behind NAT must not strand itself
+        if cfg.stages is None and cfg.initial_peers:
+            await complete_the_view(self.view, self.adverts.fetch_all, self.run.num_stages)
         self.stages = choose_stages(cfg, self.run, self.view, self.log, self.reachability.value)
 
     async def _start_control_plane(self) -> None:

@@ -7,6 +7,7 @@ protocol version stops the joiner with one clear line instead of a swarm that si
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,12 +26,19 @@ from protocol.messages import Reachability
 from scheduler.reachability import stranded_stages
 
 __all__ = ["DEFAULT_NUM_STAGES", "HelloReply", "founding_run_config", "handshake", "check_training_summary",
-           "choose_stages", "services_summary", "stage_reachability", "stranded_warning"]
+           "choose_stages", "services_summary", "stage_reachability", "stranded_warning", "complete_the_view"]
 
 logger = logging.getLogger(__name__)
 
 #: Default number of stages of a new swarm when neither --stages nor --num-stages says.
 DEFAULT_NUM_STAGES = 2
+#: Extra DHT reads an ``--auto`` joiner makes while a model stage looks unheld. A read right after joining
+#: can miss a stage's record (a NATed joiner saw ``[2, 1, 2, 0]`` where stage 3 had a replica, took the
+#: stage and could reach nobody to download it from); an empty stage in a running swarm is rare, so a miss
+#: is likelier than the truth until a few reads agree.
+AUTO_VIEW_REREADS = 3
+#: Seconds between those reads: a DHT lookup retried at once tends to ask the same peers.
+AUTO_VIEW_REREAD_PAUSE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,25 @@ def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
         if s in stranded:
             log.warning("%s", stranded_warning(s, len(reach[s])))
     return chosen
+
+
+async def complete_the_view(view: SwarmView, fetch_all, num_stages: int, rereads: int = AUTO_VIEW_REREADS,
+                            pause_s: float = AUTO_VIEW_REREAD_PAUSE_S) -> None:
+    """Before an ``--auto`` stage choice trusts ``view``: while some stage past 0 has no live replica in it,
+    read every stage's adverts again (``fetch_all(num_stages)``, merged in), up to ``rereads`` times, until
+    a read finds nobody new (a swarm that is still filling up costs one read)."""
+    def some_stage_unheld() -> bool:
+        held = {s for entry in view.alive() if entry.peer_id != view.self_id for s in entry.advert.stages}
+        return any(s not in held for s in range(1, num_stages))
+
+    for _ in range(rereads):
+        if not some_stage_unheld():
+            return
+        await asyncio.sleep(pause_s)
+        known = {entry.peer_id for entry in view.alive()}
+        view.update_from_dht(await fetch_all(num_stages))
+        if {entry.peer_id for entry in view.alive()} <= known:
+            return
 
 
 def _auto_stage(cfg: DaemonConfig, run: RunConfig, view: SwarmView, log: logging.LoggerAdapter | logging.Logger,

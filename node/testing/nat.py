@@ -193,8 +193,11 @@ class NatLab(_BridgeLab):
         """Remove every namespace of this lab (veth ends and router rules go with them) and the bridge."""
         for i in range(self.hosts):
             _ip("netns", "del", f"{self.name}-{i}", check=False)
+        for i in range(self.public):  # outer veth ends a killed run's processes may still hold (NetnsLab.down)
+            _ip("link", "del", f"{self.name}v{i}", check=False)
         for h in range(len(self.homes)):
             _ip("netns", "del", self.router(h), check=False)
+            _ip("link", "del", f"{self.name}r{h}", check=False)
         _ip("link", "del", self.bridge, check=False)
         self.namespaces.clear()
 

@@ -147,9 +147,12 @@ class NetnsLab(_BridgeLab):
         return self
 
     def down(self) -> None:
-        """Remove every namespace (their veth ends go with them) and the bridge; never raises."""
+        """Remove every namespace (their veth ends go with them) and the bridge; never raises. The outer
+        veth ends are removed by name too: a namespace whose name is gone lives on while a process of a killed
+        run is still in it, and keeps its pair's outer end, which the next ``up`` could not create again."""
         for i in range(self.hosts):
             _ip("netns", "del", self.namespace(i), check=False)
+            _ip("link", "del", f"{self.name}v{i}", check=False)
         _ip("link", "del", self.bridge, check=False)
         self.namespaces.clear()
 

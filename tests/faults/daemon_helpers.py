@@ -9,7 +9,12 @@ from typing import Callable, Dict, Iterable
 from node.launch.process_swarm import ProcessSwarm, training_state
 from node.spec import TrainSpec
 
-__all__ = ["training_state", "wait_for", "train_args", "assert_each_step_committed_once"]
+__all__ = ["training_state", "wait_for", "train_args", "assert_each_step_committed_once",
+           "assert_no_step_missed_or_repeated", "RUN_UNTIL_STOPPED"]
+
+#: ``--iterations`` of a run the test stops itself once it has seen what it checks: a fixed length races
+#: whatever the test waits for mid-run (a re-plan, a move, a join), and CI's box is slower than any margin.
+RUN_UNTIL_STOPPED = 100000
 
 
 def wait_for(swarm: ProcessSwarm, nodes: Iterable[int], predicate: Callable[[dict], bool], timeout: float,
@@ -66,3 +71,20 @@ def assert_each_step_committed_once(done: Dict[int, dict], data_nodes: Iterable[
     for i in survivors:
         its = [h["iteration"] for h in done[i]["history"]]
         assert its and its == sorted(set(its)) and its[-1] == iterations - 1, (i, its, context)
+
+
+def assert_no_step_missed_or_repeated(states: Dict[int, dict], data_nodes: Iterable[int], survivors: Iterable[int],
+                                      context: str = "") -> None:
+    """For a run stopped mid-way: the data nodes together committed every step up to the last one any of
+    them committed, none twice, each in increasing order; every survivor trained, in increasing order with
+    no repeat."""
+    committed: set = set()
+    for i in data_nodes:
+        its = [h["iteration"] for h in states[i]["history"]]
+        assert its == sorted(set(its)), f"data node {i} committed {its}; {context}"
+        committed |= set(its)
+    assert committed and committed == set(range(max(committed) + 1)), \
+        f"steps never committed: {set(range(max(committed, default=0) + 1)) - committed}; {context}"
+    for i in survivors:
+        its = [h["iteration"] for h in states[i]["history"]]
+        assert its and its == sorted(set(its)), (i, its, context)

@@ -34,7 +34,7 @@ import pytest
 
 from node.net.rpc import call_http
 from node.launch.process_swarm import ProcessSwarm, training_state
-from tests.faults.daemon_helpers import train_args, wait_for
+from tests.faults.daemon_helpers import RUN_UNTIL_STOPPED, train_args, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -44,9 +44,6 @@ OTHER_MODEL = {"layers": 4, "d_model": 32, "heads": 4, "kv_heads": 2, "ffn": 96,
 DIFFERING = ("model.d_model", "model.layers_per_stage", "model.context")
 #: Number of made-up identities the outsider announces.
 FAKES = 30
-#: a run the test stops itself: 1,000 iterations of this 2-node swarm once ran out (under load the joiners
-#: took a minute to earn membership) before the last joiner had tried the liar's state
-RUN_UNTIL_STOPPED = 100000
 #: ``sitecustomize`` that makes one daemon hold wrong weights for its stage as its admission proof, and another
 #: serve wrong stage state.
 EVIL_HOOKS = pathlib.Path(__file__).resolve().parent / "evil_state"
@@ -148,7 +145,7 @@ def test_a_mismatched_joiner_mid_run_is_refused_and_training_goes_on(tmp_path):
     other = _other_model(tmp_path)
     swarm = ProcessSwarm(
         2, [1, 1], base_dir=tmp_path / "swarm", run_id="midrun-joiner", heartbeat_s=1.0,
-        extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}")
+        extra_args=lambda i: train_args(RUN_UNTIL_STOPPED, 2, "--node-name", f"node{i}")
         + (["--model-config", str(other)] if i == 2 else []))
     watch = None
     try:
@@ -262,7 +259,7 @@ class Faker(threading.Thread):
 def _training_pair(tmp_path, run_id: str) -> ProcessSwarm:
     """A data node and one stage-1 node training for long enough that the test ends them."""
     return ProcessSwarm(2, [1, 1], base_dir=tmp_path / "swarm", run_id=run_id, heartbeat_s=1.0,
-                        extra_args=lambda i: train_args(1000, 2, "--node-name", f"node{i}"))
+                        extra_args=lambda i: train_args(RUN_UNTIL_STOPPED, 2, "--node-name", f"node{i}"))
 
 
 def _start_training(swarm: ProcessSwarm):

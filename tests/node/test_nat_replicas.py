@@ -18,7 +18,7 @@ from node.net.identity import load_or_create_identity
 from node.swarm.adverts import FetchedAdvert
 from node.swarm.config import DaemonConfig
 from node.swarm.coordinator import RunConfig
-from node.swarm.handshake import choose_stages
+from node.swarm.handshake import choose_stages, complete_the_view
 from node.swarm.replan import ReplanPolicy, StageMove, auto_stage, propose_move
 from node.swarm.view import SwarmView
 from node.train.averaging import AveragingGroup, averaging_group
@@ -169,3 +169,32 @@ def test_choose_stages_keeps_a_natted_joiner_off_a_stage_held_only_behind_nat(id
         choose_stages(DaemonConfig(stages=(2,)), run, view, own_reachability=OUT)
         choose_stages(DaemonConfig(stages=(1,)), run, view, own_reachability=DIRECT)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _fetched(identities, stages, reach):
+    """What one DHT read returns for the peers of :func:`_view` (peer id -> FetchedAdvert)."""
+    return {p: FetchedAdvert(e.advert, e.public_key, e.expires_at)
+            for p, e in _view(identities, stages, reach).peers.items()}
+
+
+@pytest.mark.asyncio
+async def test_an_auto_joiner_reads_again_before_trusting_a_view_with_an_unheld_stage(identities):
+    # the first read missed stage 2's only replica (a NATed one): choosing on it would take stage 2 and
+    # strand a NATed joiner; the next read finds it, and the one after adds nobody, so reading stops
+    stages, reach = [(0,), (1,), (2,), (1,)], [DIRECT, DIRECT, OUT, DIRECT]
+    view = _view(identities[:2] + identities[3:], [(0,), (1,), (1,)], [DIRECT, DIRECT, DIRECT])
+    reads = []
+
+    async def fetch_all(num_stages):
+        reads.append(num_stages)
+        return _fetched(identities, stages, reach)
+
+    await complete_the_view(view, fetch_all, 3, pause_s=0.0)
+    assert len(reads) == 1
+    assert choose_stages(DaemonConfig(replan=ReplanPolicy(enabled=False)), RunConfig(3, 3, 4), view,
+                         own_reachability=OUT) == (1,)
+    # every stage held: no read at all; a stage truly empty: reads stop at the first that adds nobody
+    await complete_the_view(view, fetch_all, 3, pause_s=0.0)
+    assert len(reads) == 1
+    await complete_the_view(view, fetch_all, 4, pause_s=0.0)
+    assert len(reads) == 2
