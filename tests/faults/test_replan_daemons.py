@@ -19,8 +19,8 @@ from tests.faults.daemon_helpers import RUN_UNTIL_STOPPED, assert_no_step_missed
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 #: The run (RUN_UNTIL_STOPPED) goes on until the test has seen what it checks and stops it: the re-plan
-#: lands after ~3-5 iterations on an idle box (8 steps measured per replica, a heartbeat, a boundary), as late as 10, and under CI's load
-#: after the 16 a fixed-length run had (CI failed it there: training ended on the first epoch).
+#: lands after ~3-5 iterations on an idle box (8 steps measured per replica, a heartbeat, a boundary), as
+#: late as 10, and under CI's load after the 16 a fixed-length run had (CI: training ended on epoch 1).
 LATE_ITERATIONS = 3  # iterations of the re-planned epoch each replica must have committed before the test stops
 MICROBATCHES = 4
 COMPUTE_S = 0.004  # every node's padded compute per sample per layer: above a tiny stage's real work

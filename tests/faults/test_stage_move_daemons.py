@@ -24,8 +24,8 @@ from tests.faults.daemon_helpers import RUN_UNTIL_STOPPED, assert_no_step_missed
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 #: The run (RUN_UNTIL_STOPPED) goes on until the test has seen the move and stops it. The move needs 8 steps
-#: measured per replica, then a heartbeat and a 5 s lead: partly iterations, partly seconds, so no fixed length fits every
-#: box (16 iterations ended before it on an idle one; a re-plan, half of a move, took over 16 in CI).
+#: measured per replica, then a heartbeat and a 5 s lead: partly iterations, partly seconds, so no fixed
+#: length fits every box (16 ended before it on an idle one; a re-plan, half of a move, took over 16 in CI).
 AFTER_MOVE = 3  # iterations the mover must commit on its new stage before the test stops the swarm
 MICROBATCHES = 4
 COMPUTE_S = 0.004  # every node's padded compute per sample per layer: above a tiny stage's real work
