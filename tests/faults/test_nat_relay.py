@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 
+from node.cli.swarm_cmd import fetch_status, format_status
 from node.testing.nat import Home, NatKind, NatLab, nat_unavailable
 from node.testing.nat_swarm import HEARTBEAT_S, RATE_MBIT, rpc_in_namespace
 from node.testing.netns import NamespaceSwarm, lab_leftovers, run_in_netns
@@ -62,6 +63,8 @@ def test_two_natted_neighbours_train_through_a_relay(tmp_path):
             status = {node.index: status_of(node) or {} for node in swarm.nodes}
             schedule = rpc_in_namespace(swarm, "schedule")(swarm.nodes[0])
             view = rpc_in_namespace(swarm, "swarm")(swarm.nodes[0])
+            shown = format_status(run_in_netns(swarm.namespace_of(swarm.nodes[0]), fetch_status,
+                                               swarm.nodes[0].rpc_url, None, 10))
             metrics = run_in_netns(swarm.namespace_of(swarm.nodes[0]), _metrics_text, swarm.nodes[0].rpc_url)
             logs = {i: swarm.nodes[i].log_path.read_text(errors="replace") for i in range(n)}
         finally:
@@ -80,6 +83,7 @@ def test_two_natted_neighbours_train_through_a_relay(tmp_path):
     assert impossible_hops(sched, reach, relay=True) == [], sched.paths  # ... through the relay
     relayed = re.search(r"^skippipe_relayed_bytes_total ([0-9.e+]+)$", metrics, re.M)
     assert relayed and float(relayed.group(1)) >= relay["relayed_bytes"] > 0, metrics
+    assert " ~> " in shown and "relay: serving" in shown and "+relay" in shown, shown  # swarm status says so
     assert_each_step_committed_once(done, (0,), range(n), ITERATIONS)
     for i in range(n):
         assert "Traceback" not in logs[i], logs[i][-3000:]
