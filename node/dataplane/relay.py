@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, List, Optional
 
 from node.compat import import_hivemind
-from node.dataplane.transport import OFF_LOOP_BYTES, _write_frame
+from node.dataplane.transport import OFF_LOOP_BYTES, REJECT_LOG_EVERY, SEND_RETRIES, _write_frame
 
 __all__ = ["RelayMode", "serves_relay", "relay_handler_name", "encode_peer", "decode_peer", "RelayServer",
            "RelayClient", "Relay", "MAX_RELAY_CIRCUITS", "MAX_CIRCUITS_PER_PEER", "RELAY_BYTES_PER_S",
@@ -196,7 +196,7 @@ class RelayServer:
         self.refused[reason] += 1
         if self.metrics is not None:
             self.metrics.count_rejected(f"relay_{reason}")
-        if self.refused[reason] == 1 or self.refused[reason] % 100 == 0:
+        if self.refused[reason] == 1 or self.refused[reason] % REJECT_LOG_EVERY == 0:  # a flood cannot flood the log
             logger.warning("relay: refused %s: %s [%d so far]", peer[-8:], reason, self.refused[reason])
 
     def _allowed(self, peer: str) -> bool:
@@ -403,8 +403,9 @@ class RelayClient:
             self._readers.pop(relay, None)
 
     async def send(self, relay: str, target: str, parts: List[bytes]) -> int:
-        """Write one data frame for ``target`` to ``relay``; its size. A broken stream is reopened once."""
-        for attempt in range(2):
+        """Write one data frame for ``target`` to ``relay``; its size. A broken stream is reopened, as the data
+        plane reopens a direct one (:data:`SEND_RETRIES`)."""
+        for attempt in range(SEND_RETRIES + 1):
             circuit = self._circuits.get(relay) or await self._open(relay)
             try:
                 async with circuit.lock:
@@ -413,7 +414,7 @@ class RelayClient:
                 return size
             except Exception:
                 self._drop(relay, circuit)
-                if attempt:
+                if attempt == SEND_RETRIES:
                     raise
         raise AssertionError("unreachable")
 

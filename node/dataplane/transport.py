@@ -43,6 +43,10 @@ Hostile input (any peer may open a stream to our handler): a frame passes, in th
 4. the wire decoder (only data-plane message types),
 5. the guard's semantic checks (:class:`node.dataplane.guard.MicrobatchGuard`).
 
+A frame relayed for a peer behind NAT (:mod:`node.dataplane.relay`) passes the same steps with its origin
+as the sender (:meth:`DataPlane.accept_frame`: the allowlist per frame for the origin); the relay itself
+must pass the allowlist when its stream is opened.
+
 A refused frame is counted in :attr:`DataPlane.rejected` (and ``metrics.count_rejected``), logged
 with its peer and reason (the first time per peer and reason, then every
 :data:`REJECT_LOG_EVERY`-th time, so a flood cannot flood the log) and never reaches
