@@ -24,9 +24,9 @@ per node: seconds from the daemon's spawn (all five joiners spawned together onc
 the founder's view shows it ONLINE (the view learns several joiners at once, so this is coarse), until
 its advert says how it is reachable (``reachability`` not ``unknown``), and until it wrote its ready file
 (the daemon is up and has learned its own reachability by dial-back).
-Relayed bytes: no node serves as a relay hop (docs/operations.md, "Behind NAT": NATed nodes work over
-the connections they dialled), so 0; the run checks that no advert carries a relay address
-(``relayed_addresses_seen``) rather than assuming it.
+Relayed bytes: what the members' application-level relays forwarded (their status RPC; docs/operations.md,
+"Relay"): the schedule relays a hop between the two NATed nodes only where that beats the public replica.
+``relayed_addresses_seen`` checks that no advert carries a p2pd circuit-relay address.
 
 ``nat_vs_public_tokens_ratio`` = tokens/s of ``natted`` / ``public`` (target: at least 0.8);
 ``nat_vs_public_online_ratio`` = the slower NATed node's start-to-ONLINE / the mean of the public joiners'
@@ -144,7 +144,7 @@ def build_result(results: Dict[str, dict], meta: dict) -> dict:
         "nat_vs_public_tokens_ratio": tokens_ratio, "target_tokens_ratio": TARGET_TOKENS_RATIO,
         "nat_vs_public_online_ratio": online_ratio, "target_online_ratio": TARGET_ONLINE_RATIO,
         "bytes_relayed": sum(int(r.get("bytes_relayed") or 0) for r in results.values()),
-        "relay": "none: no node serves as a relay hop; NATed nodes work over the connections they dialled",
+        "relay": "public members relay data-plane frames between NATed members (--relay auto, node.dataplane.relay)",
         "configs": results,
     }
 
@@ -228,6 +228,9 @@ def run_config(args, name: str, natted: bool, lab_name: str, subnet: int, base: 
             print(f"  {name}: 6 daemons ONLINE in {ready_s:.0f} s (logs in {base / name})", flush=True)
             state = _train(swarm, args, name, view_of, training_of, online, known, reach, relayed)
             schedule = rpc_in_namespace(swarm, "schedule")(swarm.nodes[0]) or {}
+            status_of = rpc_in_namespace(swarm, "status")
+            bytes_relayed = sum(int(((status_of(n) or {}).get("relay") or {}).get("relayed_bytes") or 0)
+                                for n in swarm.nodes)  # what the public members' relays forwarded
         except UserError as e:
             raise BenchError(f"{name}: {e}") from None
         finally:
@@ -246,7 +249,7 @@ def run_config(args, name: str, natted: bool, lab_name: str, subnet: int, base: 
             "online_s": online_s, "reachability_known_s": known_s, "ready_file_s": ready_s,
             "microbatch_visits": microbatch_visits(schedule, by_index),
             "online": online_summary(online_s, natted_nodes or list(NATTED)),
-            "relayed_addresses_seen": sorted(relayed), "bytes_relayed": 0,
+            "relayed_addresses_seen": sorted(relayed), "bytes_relayed": bytes_relayed,
             "wall_s": time.perf_counter() - t0, "leftover_processes": len(leftover),
             "leftover_namespaces": lab_leftovers(lab_name)}
 

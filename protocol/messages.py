@@ -282,6 +282,8 @@ class StageAdvert:
     #: The peer joined with ``--auto`` (any stage other than 0 suits it), so the coordinator may move it to the
     #: bottleneck stage at an epoch boundary; False from older senders and for nodes given ``--stages``.
     movable: bool = False
+    #: The peer relays data-plane frames between members nobody can dial (``--relay``); False from older senders.
+    relay: bool = False
 
     def validate(self, options: DecodeOptions) -> None:
         """Known state and reachability, non-negative counts, finite compute speeds (a measured one positive and

@@ -3,8 +3,10 @@
 A node behind a home router accepts no inbound connection. Two nodes can still exchange activations when
 either can be dialled (the other dials it, and the answer flows back over that connection), or through a
 relay one of them holds a reservation on (every byte then crosses the relay's uplink twice and takes an
-extra hop). Two nodes that nobody can dial and that no relay carries cannot be connected at all: such a
-link must never be on a path, whatever the measured numbers say.
+extra hop). Public members serve as relays (``--relay``, :mod:`node.dataplane.relay`): with one in the
+swarm (``relay=True`` below), a link between two nodes nobody can dial is relayed, priced by
+:class:`RelayParams`. Two nodes that nobody can dial and that no relay carries cannot be connected at all:
+such a link must never be on a path, whatever the measured numbers say.
 
 Reachability values are :class:`protocol.messages.Reachability` strings, as adverts carry them. A node
 whose reachability is not known (``unknown``, an older peer) is treated as dialable, as before.
@@ -21,8 +23,8 @@ from scheduler.cost import CostMatrix
 from scheduler.errors import ScheduleError
 from scheduler.schedule import Schedule
 
-__all__ = ["LinkKind", "RelayParams", "link_kind", "connectable", "apply_reachability", "impossible_hops",
-           "check_reachable", "stranded_stages", "stranded_replicas"]
+__all__ = ["LinkKind", "RelayParams", "link_kind", "choose_relays", "connectable", "apply_reachability",
+           "impossible_hops", "relayed_hops", "check_reachable", "stranded_stages", "stranded_replicas"]
 
 _DIALABLE = {Reachability.DIRECT.value, Reachability.UNKNOWN.value}
 
@@ -37,7 +39,8 @@ class LinkKind(enum.Enum):
 
 @dataclass(frozen=True)
 class RelayParams:
-    """What a relayed link costs when the link has not been measured through the relay.
+    """What a relayed link costs when the link has not been measured through the relay (links are measured
+    directly, and a link between two NATed nodes cannot be, so this is the usual case).
 
     relay_slowdown: a relayed transfer takes this times the direct estimate: the relay receives and sends
         every byte on one uplink, so at best half of it is left for each direction.
@@ -53,11 +56,12 @@ class RelayParams:
     impossible_link_s: float = 1e6
 
 
-def link_kind(a: str, b: str) -> LinkKind:
-    """How nodes with reachability ``a`` and ``b`` connect (symmetric)."""
+def link_kind(a: str, b: str, relay: bool = False) -> LinkKind:
+    """How nodes with reachability ``a`` and ``b`` connect (symmetric); ``relay``: a member of the swarm
+    relays data-plane frames, so two nodes nobody can dial still exchange them through it."""
     if a in _DIALABLE or b in _DIALABLE:
         return LinkKind.DIRECT
-    if Reachability.RELAYED.value in (a, b):
+    if relay or Reachability.RELAYED.value in (a, b):
         return LinkKind.RELAYED
     return LinkKind.IMPOSSIBLE
 
@@ -65,6 +69,16 @@ def link_kind(a: str, b: str) -> LinkKind:
 def connectable(a: str, b: str) -> bool:
     """Whether nodes with reachability ``a`` and ``b`` can be connected at all (directly or relayed)."""
     return link_kind(a, b) is not LinkKind.IMPOSSIBLE
+
+
+def choose_relays(candidates: Mapping[str, tuple[str, bool]], own: str, limit: int) -> list[str]:
+    """The relays a node uses, best first: of ``candidates`` (peer id -> (reachability, serves as relay)),
+    those that relay and can be dialled, ``own`` left out, by peer id, at most ``limit``. By peer id because
+    the sender and the receiver must pick the same relay from their own views with no exchange: both hold a
+    stream to it (measured costs differ from node to node, a peer id does not)."""
+    ok = sorted(p for p, (reach, relays) in candidates.items()
+                if relays and p != own and reach in _DIALABLE)
+    return ok[:limit]
 
 
 def stranded_stages(own: str, replicas: Sequence[Collection[str]]) -> list[int]:
@@ -88,9 +102,10 @@ def stranded_replicas(stage_of: Mapping[str, int], reachability: Mapping[str, st
             if not any(connectable(reach(node), reach(o)) for o in nodes if o != node)}
 
 
-def apply_reachability(cost: CostMatrix, reachability: Sequence[str], params: RelayParams = RelayParams()
-                       ) -> CostMatrix:
-    """``cost`` with relayed links slowed down and impossible links priced out (node i has ``reachability[i]``)."""
+def apply_reachability(cost: CostMatrix, reachability: Sequence[str], params: RelayParams = RelayParams(),
+                       relay: bool = False) -> CostMatrix:
+    """``cost`` with relayed links slowed down and impossible links priced out (node i has ``reachability[i]``;
+    ``relay``: a member relays, see :func:`link_kind`)."""
     n = cost.n_nodes
     if len(reachability) != n:
         raise ScheduleError("cost", f"{len(reachability)} reachability values for {n} nodes")
@@ -100,7 +115,7 @@ def apply_reachability(cost: CostMatrix, reachability: Sequence[str], params: Re
         for v in range(n):
             if u == v:
                 continue
-            kind = link_kind(reachability[u], reachability[v])
+            kind = link_kind(reachability[u], reachability[v], relay)
             if kind is LinkKind.RELAYED:
                 row[v] = row[v] * params.relay_slowdown + params.relay_added_s
             elif kind is LinkKind.IMPOSSIBLE:
@@ -117,15 +132,23 @@ def _hops(route: Sequence[int]) -> list[tuple[int, int]]:
     return pairs
 
 
-def impossible_hops(schedule: Schedule, reachability: Sequence[str]) -> list[tuple[int, int]]:
+def impossible_hops(schedule: Schedule, reachability: Sequence[str], relay: bool = False) -> list[tuple[int, int]]:
     """The hops of ``schedule`` between two nodes that cannot be connected (sorted, without repeats)."""
-    bad = {(u, v) for p in schedule.paths for u, v in _hops(p.route)
-           if link_kind(reachability[u], reachability[v]) is LinkKind.IMPOSSIBLE}
-    return sorted(bad)
+    return _hops_of(schedule, reachability, relay, LinkKind.IMPOSSIBLE)
 
 
-def check_reachable(schedule: Schedule, reachability: Sequence[str]) -> None:
+def relayed_hops(schedule: Schedule, reachability: Sequence[str], relay: bool = True) -> list[tuple[int, int]]:
+    """The hops of ``schedule`` that go through a relay (sorted, without repeats)."""
+    return _hops_of(schedule, reachability, relay, LinkKind.RELAYED)
+
+
+def _hops_of(schedule: Schedule, reachability: Sequence[str], relay: bool, kind: LinkKind) -> list[tuple[int, int]]:
+    return sorted({(u, v) for p in schedule.paths for u, v in _hops(p.route)
+                   if link_kind(reachability[u], reachability[v], relay) is kind})
+
+
+def check_reachable(schedule: Schedule, reachability: Sequence[str], relay: bool = False) -> None:
     """Raise :class:`ScheduleError` if a path needs a connection that cannot exist."""
-    bad = impossible_hops(schedule, reachability)
+    bad = impossible_hops(schedule, reachability, relay)
     if bad:
         raise ScheduleError("reachability", f"hops {bad[:5]} join nodes nobody can dial and no relay carries")

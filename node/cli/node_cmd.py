@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from node.swarm.config import DEFAULT_HOST_MADDRS, DaemonConfig, default_identity_path
+from node.dataplane.relay import RelayMode
 from node.swarm.replan import ReplanPolicy
 from node.errors import UserError
 from node.spec import TrainSpec
@@ -71,6 +72,9 @@ def add_node_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replan-interval", type=float_range(0, MAX_DURATION_S), default=None, metavar="S",
                    help=f"seconds an epoch runs at least before a re-plan replaces it (default "
                         f"{ReplanPolicy().min_interval_s:g})")
+    p.add_argument("--relay", choices=[m.value for m in RelayMode], default=RelayMode.AUTO.value,
+                   help="relay data-plane frames between members behind NAT that cannot connect to each other: on, "
+                        "off, or auto (default: on unless this node learned that nobody can dial it)")
     add_run_arguments(p, ("memory_slots",))
     p.add_argument("--host-maddrs", nargs="+", type=maddr_list_item, default=list(DEFAULT_HOST_MADDRS), metavar="MADDR",
                    help="where p2pd listens (default %(default)s)")
@@ -220,6 +224,7 @@ def config_from_args(args: argparse.Namespace, spec: TrainSpec | None = None) ->
         location_cost=location_cost,
         **({"schedule_budget_s": budget} if budget is not None else {}),
         replan=replan_policy(args),
+        relay=RelayMode(getattr(args, "relay", RelayMode.AUTO.value)),
         memory_slots=spec.memory_slots,
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),

@@ -99,6 +99,10 @@ def format_status(data: dict) -> str:
         lines.append(f"  reachability: {reach.get('reachability')}"
                      + (f", seen from {reach['observed_ip']}" if reach.get("observed_ip") else "")
                      + (f", via {', '.join(reach['relays'])}" if reach.get("relays") else ""))
+    relay = st.get("relay") or {}
+    if relay.get("serving") or relay.get("relayed_bytes"):
+        lines.append(f"  relay: {'serving' if relay.get('serving') else 'stopped'}, {relay.get('circuits', 0)} "
+                     f"circuits open, {relay.get('relayed_bytes', 0) / 1e6:.1f} MB relayed")
     if st.get("missing_stages"):
         lines.append(f"  MISSING STAGES: {st['missing_stages']} have no live replica: training pauses until a node "
                      "holding them (or its checkpoint) returns")
@@ -131,15 +135,30 @@ def format_status(data: dict) -> str:
         stages = ",".join(str(s) for s in p["stages"])
         lines.append(
             f"{_short(p['peer_id']) + mark:<13} {stages:<8} {p['state']:<9} {p['age_s']:>6.1f} "
-            f"{p['compute_s_per_sample_per_layer']:>15.4f} {rtt:>8} {bw:>8} {p.get('reachability', 'unknown'):<13}"
+            f"{p['compute_s_per_sample_per_layer']:>15.4f} {rtt:>8} {bw:>8} "
+            f"{p.get('reachability', 'unknown') + ('+relay' if p.get('relay') else ''):<13}"
         )
     if sc.get("epoch") is not None:
-        lines += ["", f"paths of epoch {sc['epoch']} (node index -> peer):"]
-        members = sc["members"]
-        for path in sc["schedule"].get("paths", []):
-            route = " -> ".join(_short(members[v]) for v in path["route"])
-            lines.append(f"  x{path['microbatches']}: {route}")
+        lines += ["", f"paths of epoch {sc['epoch']} (node index -> peer; ~> through a relay):"]
+        lines += [f"  x{path['microbatches']}: {route}" for path, route in _routes(sc, sw.get("peers", []))]
     return "\n".join(lines)
+
+
+def _routes(sc: dict, peers: list) -> list:
+    """(path, its route as text) for each path of the schedule, a relayed hop drawn ``~>``."""
+    from scheduler.reachability import LinkKind, link_kind
+
+    reach = {p["peer_id"]: p.get("reachability", "unknown") for p in peers}
+    relay = any(p.get("relay") and p.get("reachability") in ("direct", "unknown") for p in peers)
+    members, out = sc["members"], []
+    for path in sc["schedule"].get("paths", []):
+        route = path["route"]
+        text = _short(members[route[0]])
+        for u, v in zip(route, route[1:]):
+            kind = link_kind(reach.get(members[u], "unknown"), reach.get(members[v], "unknown"), relay)
+            text += (" ~> " if kind is LinkKind.RELAYED else " -> ") + _short(members[v])
+        out.append((path, text))
+    return out
 
 
 def _http_url(text: str) -> str:

@@ -43,6 +43,10 @@ Hostile input (any peer may open a stream to our handler): a frame passes, in th
 4. the wire decoder (only data-plane message types),
 5. the guard's semantic checks (:class:`node.dataplane.guard.MicrobatchGuard`).
 
+A frame relayed for a peer behind NAT (:mod:`node.dataplane.relay`) passes the same steps with its origin
+as the sender (:meth:`DataPlane.accept_frame`: the allowlist per frame for the origin); the relay itself
+must pass the allowlist when its stream is opened.
+
 A refused frame is counted in :attr:`DataPlane.rejected` (and ``metrics.count_rejected``), logged
 with its peer and reason (the first time per peer and reason, then every
 :data:`REJECT_LOG_EVERY`-th time, so a flood cannot flood the log) and never reaches
@@ -165,7 +169,8 @@ class DataPlane:
                  allow: Optional[Callable[[str], bool]] = None, metrics=None, guard=None,
                  frame_rate_per_s: Optional[float] = DEFAULT_FRAME_RATE_PER_S,
                  frame_burst: float = DEFAULT_FRAME_BURST, max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
-                 wire: str = "fp32", on_rejected: Optional[Callable[[object, str, str, str], None]] = None):
+                 wire: str = "fp32", on_rejected: Optional[Callable[[object, str, str, str], None]] = None,
+                 relay=None):
         """``emulator``: optional :class:`node.dataplane.emulation.LinkEmulator`; None (default) = no emulation.
         ``allow(peer)``: swarm access control; frames from a peer it refuses are dropped unread.
         ``metrics``: optional :class:`node.ops.metrics.NodeMetrics` (hops, bytes and rejections are counted).
@@ -175,8 +180,9 @@ class DataPlane:
         incoming streams one peer may hold open at once (more are refused). ``wire``: the run's wire
         format (fp32, bf16, fp16, int8): the codec activations and gradients are sent with.
         ``on_rejected(msg, sender, reason, detail)``: told of every decoded message the guard refused
-        (must not block)."""
-        self.on_rejected = on_rejected
+        (must not block). ``relay``: a :class:`node.dataplane.relay.Relay` (frames to a peer nobody can dial
+        from here go through a relay member; frames relayed to us pass :meth:`accept_frame`); None = direct only."""
+        self.on_rejected, self.relay = on_rejected, relay
         self.p2p = p2p
         self.compression = wire_compression(wire)
         self.emulator = emulator
@@ -213,6 +219,8 @@ class DataPlane:
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.name, self._handle_stream)
         self._started = True
+        if self.relay is not None:
+            await self.relay.start(self.accept_frame, self.max_frame_bytes)
 
     async def _deliver(self, msg: object, sender: str) -> None:
         result = self._on_message(msg, sender)
@@ -327,6 +335,44 @@ class DataPlane:
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
 
+    async def accept_frame(self, sender: str, data: bytes | List[bytes]) -> bool:
+        """Check, decode and deliver one received frame from ``sender`` (on its own stream, or relayed for it:
+        :mod:`node.dataplane.relay`); False when the stream it came on is to be closed."""
+        size = len(data) if isinstance(data, bytes) else sum(map(len, data))
+        self.bytes_received += size
+        if self.allow is not None and not self.allow(sender):
+            self._reject(sender, NOT_ALLOWED, "peer no longer allowed; stream closed")
+            return False
+        if self.limiter is not None and not self.limiter.allow(sender):
+            self._reject(sender, RATE_LIMITED, f"more than {self.limiter.rate_per_s:g} frames/s "
+                                               f"(burst {self.limiter.burst:g})")
+            return True
+        if not isinstance(data, bytes):  # over OFF_LOOP_BYTES: joined and decoded in a worker thread
+            tensor_checked = hasattr(self.guard, "check_tensor")
+            msg, reason, detail, measured = await asyncio.get_running_loop().run_in_executor(
+                None, self._decode, data, tensor_checked)
+        else:
+            tensor_checked = False
+            msg, reason, detail, measured = self._decode(data, False)
+        if msg is None:
+            self._reject(sender, reason, detail)
+            return True
+        if self.guard is not None:
+            reason, detail = self._inspect(msg, sender, tensor_checked, measured)
+            if reason is not None:
+                self._reject(sender, reason, detail)
+                self._tell_rejected(msg, sender, reason, detail)
+                return True
+        self._record_hop(sender, msg, size, "in", None)
+        hold = self._hold_s(msg)
+        if hold > 0:
+            held = asyncio.create_task(self._deliver_after(hold, msg, sender))
+            self._held.add(held)
+            held.add_done_callback(self._held.discard)
+            return True
+        await self._deliver_guarded(msg, sender)
+        return True
+
     async def _handle_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hivemind = import_hivemind()
         header_len, byteorder = hivemind.p2p.P2P.HEADER_LEN, hivemind.p2p.P2P.BYTEORDER
@@ -345,41 +391,8 @@ class DataPlane:
         try:
             while True:
                 data = await self._read_frame(reader, header_len, byteorder, sender)
-                if data is None:
+                if data is None or not await self.accept_frame(sender, data):
                     return
-                size = len(data) if isinstance(data, bytes) else sum(map(len, data))
-                self.bytes_received += size
-                if self.allow is not None and not self.allow(sender):
-                    self._reject(sender, NOT_ALLOWED, "peer no longer allowed; stream closed")
-                    return
-                if self.limiter is not None and not self.limiter.allow(sender):
-                    self._reject(sender, RATE_LIMITED, f"more than {self.limiter.rate_per_s:g} frames/s "
-                                                       f"(burst {self.limiter.burst:g})")
-                    continue
-                if not isinstance(data, bytes):  # over OFF_LOOP_BYTES: joined and decoded in a worker thread
-                    tensor_checked = hasattr(self.guard, "check_tensor")
-                    msg, reason, detail, measured = await asyncio.get_running_loop().run_in_executor(
-                        None, self._decode, data, tensor_checked)
-                else:
-                    tensor_checked = False
-                    msg, reason, detail, measured = self._decode(data, False)
-                if msg is None:
-                    self._reject(sender, reason, detail)
-                    continue
-                if self.guard is not None:
-                    reason, detail = self._inspect(msg, sender, tensor_checked, measured)
-                    if reason is not None:
-                        self._reject(sender, reason, detail)
-                        self._tell_rejected(msg, sender, reason, detail)
-                        continue
-                self._record_hop(sender, msg, size, "in", None)
-                hold = self._hold_s(msg)
-                if hold > 0:
-                    held = asyncio.create_task(self._deliver_after(hold, msg, sender))
-                    self._held.add(held)
-                    held.add_done_callback(self._held.discard)
-                    continue
-                await self._deliver_guarded(msg, sender)
         except asyncio.CancelledError:
             if task in self._closed_streams:  # ended by close(): a handler that ends cancelled makes asyncio's
                 return  # stream callback log a CancelledError traceback, so it ends quietly instead
@@ -452,6 +465,11 @@ class DataPlane:
         if self.emulator is not None and not isinstance(msg, (ActivationMessage, GradientMessage)):
             # control message: reserve the emulated link now (in send order), wait out its delivery, then write
             await self.emulator.transmit(peer, sum(len(p) for p in parts))
+        via = self.relay.route(peer) if self.relay is not None else None
+        if via is not None:  # both behind NAT: through a relay member (node.dataplane.relay)
+            size = await self._send_relayed(via, peer, msg, parts)
+            self._record_hop(peer, msg, size, "out", time.monotonic() - t0)
+            return
         out = self._out.setdefault(peer, _Outgoing())
         async with out.lock:
             for attempt in range(SEND_RETRIES + 1):
@@ -475,7 +493,17 @@ class DataPlane:
                         raise DataPlaneError(f"cannot send {type(msg).__name__} to {peer}: {e!r}") from e
                     logger.debug("stream to %s broke (%r); reopening", peer[-8:], e)
 
+    async def _send_relayed(self, via: str, peer: str, msg: object, parts: List[bytes]) -> int:
+        try:
+            size = await self.relay.send(via, peer, parts)
+        except Exception as e:
+            raise DataPlaneError(f"cannot send {type(msg).__name__} to {peer} through relay {via}: {e!r}") from e
+        self.bytes_sent += size
+        return size
+
     async def close(self) -> None:
+        if self.relay is not None:
+            await self.relay.close()
         for held in list(self._held):
             held.cancel()
         # a sender keeps its stream to us open: without this its frames would go on reaching this closed

@@ -87,6 +87,11 @@ class NodeMetrics:
             ["reason"],
             registry=r,
         )
+        self.relayed_bytes = Counter(f"{_PREFIX}_relayed_bytes", "Data-plane bytes this node relayed between members "
+                                     "behind NAT (node.dataplane.relay)", registry=r)
+        self.relayed_frames = Counter(f"{_PREFIX}_relayed_frames", "Data-plane frames this node relayed", registry=r)
+        self.relay_circuits = Gauge(f"{_PREFIX}_relay_circuits", "Relay streams members behind NAT hold open to this "
+                                    "node", registry=r)
         self.loop_lag = Gauge(f"{_PREFIX}_loop_lag_seconds",
                               "How late the event loop's lag probe last woke (node.ops.looplag)", registry=r)
         self.loop_lag_max = Gauge(f"{_PREFIX}_loop_lag_max_seconds",
@@ -134,6 +139,20 @@ class NodeMetrics:
     def count_rejected(self, reason: str) -> None:
         """The data plane refused a frame (or a stream) for ``reason`` (e.g. ``"non_finite"``, ``"rate_limited"``)."""
         self.dataplane_rejected.labels(reason=reason).inc()
+
+    def count_relayed(self, nbytes: int) -> None:
+        """This node relayed one data-plane frame of ``nbytes`` between two other members."""
+        self.relayed_bytes.inc(int(nbytes))
+        self.relayed_frames.inc()
+
+    def set_relay_circuits(self, n: int) -> None:
+        self.relay_circuits.set(int(n))
+
+    def relay_json(self) -> dict:
+        """Relayed bytes, frames and open circuits, for the status RPC."""
+        return {"relayed_bytes": int(self.sample(f"{_PREFIX}_relayed_bytes_total") or 0),
+                "relayed_frames": int(self.sample(f"{_PREFIX}_relayed_frames_total") or 0),
+                "circuits": int(self.sample(f"{_PREFIX}_relay_circuits") or 0)}
 
     def count_reroute(self, n: int = 1) -> None:
         self.reroutes.inc(n)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.spec import DEFAULT_HEARTBEAT_S, DEFAULT_MEMORY_SLOTS, DEFAULT_MICROBATCHES, DEFAULT_RUN_ID
+from node.dataplane.relay import RelayMode
 from node.swarm.replan import ReplanPolicy
 
 __all__ = [
@@ -125,6 +126,8 @@ class DaemonConfig:
     schedule_budget_s: float = 15.0
     #: When the coordinator re-plans for the members' measured compute speeds (:mod:`node.swarm.replan`).
     replan: ReplanPolicy = ReplanPolicy(enabled=False)
+    #: Relay data-plane frames between members nobody can dial (``--relay``; :mod:`node.dataplane.relay`).
+    relay: RelayMode = RelayMode.AUTO
 
     @property
     def advert_ttl_s(self) -> float:

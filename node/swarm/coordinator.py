@@ -46,7 +46,7 @@ from node.swarm.view import PeerEntry, SwarmView
 from protocol.messages import ScheduleEpoch
 from scheduler.baselines import full_pipeline, random_skip
 from scheduler.cost import CostMatrix, ModelShape, cost_from_measurements
-from scheduler.reachability import apply_reachability, check_reachable
+from scheduler.reachability import apply_reachability, check_reachable, choose_relays
 from scheduler.errors import ScheduleError
 from scheduler.paths import schedule_paths_report
 from scheduler.schedule import Schedule
@@ -395,6 +395,8 @@ class Coordinator:
             compute = self.member_compute(entries, members)
             previous = self.current if replan and self.current is not None and self.current.members == members else None
             reach = [entries[p].advert.reachability for p in members]
+            relay = bool(choose_relays({p: (entries[p].advert.reachability, entries[p].advert.relay)
+                                        for p in members}, "", 1))  # a member relays: NATed pairs are relayed
             latency, bandwidth = self._link_matrices(members)
             number = (self.current.epoch + 1) if self.current is not None else 1
             loop = asyncio.get_running_loop()
@@ -403,7 +405,7 @@ class Coordinator:
                 cost = self.run.cost_by_location([entries[p].advert.location for p in members])
                 if cost is None:
                     cost = cost_from_measurements(compute, latency, bandwidth, ModelShape())
-                cost = apply_reachability(cost, reach)  # relayed links cost more; impossible ones are priced out
+                cost = apply_reachability(cost, reach, relay=relay)  # relayed links cost more; impossible ones priced out
                 path_length = min(self.run.path_length, self.run.num_stages)
                 mb, policy = self.run.microbatches_per_data_node, self.run.schedule_policy
                 if policy == "full":
@@ -417,7 +419,7 @@ class Coordinator:
                         logger.warning("epoch %d: path search stopped at its %.0f s safety cap", number,
                                        self.budget_s)
                 validate_schedule(schedule, microbatches_per_data_node=self.run.expected_microbatches())
-                check_reachable(schedule, reach)  # never a hop between two nodes nobody can dial
+                check_reachable(schedule, reach, relay)  # never a hop between two nodes nobody can dial
                 if previous is not None:  # a re-plan: only if it beats the current routes under the same costs
                     old_s = simulate(Schedule.from_json(previous.schedule), cost, record_timelines=False).iteration_time_s
                     new_s = simulate(schedule, cost, record_timelines=False).iteration_time_s

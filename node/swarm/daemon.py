@@ -50,6 +50,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
+from node.dataplane.relay import serves_relay
 from node.errors import UserError
 from node.net.access import SwarmAccess, load_allowlist, load_swarm_key
 from node.net.identity import IdentityLock, NodeIdentity, load_or_create_gossip_key, load_or_create_identity, verify_rsa_signature
@@ -300,7 +301,7 @@ class Daemon:
             free_slots=int(cfg.memory_slots),
             protocol_version=self.protocol_version,
             rpc_port=self.rpc.http_port,
-            location=cfg.location,
+            location=cfg.location, relay=serves_relay(cfg.relay, self.reachability.value),
             timestamp=time.time(),
             config_digest=self.config_digest, reachability=self.reachability.value, movable=cfg.stages is None,
             measured_compute_s_per_sample_per_layer=measured_compute_of(self.measured_compute, self.log),

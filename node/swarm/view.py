@@ -75,6 +75,7 @@ class PeerEntry:
             "location": a.location,
             "config_digest": a.config_digest,
             "reachability": a.reachability,
+            "relay": a.relay,
             "last_seen": self.last_seen,
             "age_s": round(time.time() - self.last_seen, 3),
             "source": self.source,

@@ -10,6 +10,7 @@ from node.swarm.admission import STAGE_PROBE_METHOD, Admission, rpc_over_p2p
 from node.swarm.coordinator import Coordinator, epoch_membership
 from node.swarm.membership import MembershipParts
 from node.swarm.rpc_api import DaemonRpcApi, RpcSources
+from node.dataplane.relay import serves_relay
 from protocol.messages import Reachability
 from scheduler.reachability import LinkKind, link_kind
 
@@ -85,7 +86,9 @@ def rpc_api_of(daemon: "SwarmHost") -> DaemonRpcApi:
     """The built-in RPC handlers over the daemon's parts (made with the daemon, before any part starts)."""
     return DaemonRpcApi(RpcSources(
         config=daemon.config, protocol_version=daemon.protocol_version, metrics=daemon.metrics, log=daemon.log,
-        status=lambda: {**daemon.status_json(), "reachability": daemon.reachability.to_json()},
+        status=lambda: {**daemon.status_json(), "reachability": daemon.reachability.to_json(),
+                        "relay": {"serving": serves_relay(daemon.config.relay, daemon.reachability.value),
+                                  **daemon.metrics.relay_json()}},
         access=lambda: daemon.access, peer_id=lambda: daemon.peer_id, state=lambda: daemon.state,
         run=lambda: daemon.run, training_summary=lambda: daemon.training_summary, view=lambda: daemon.view,
         coordinator=lambda: daemon.coordinator, admission=lambda: daemon.admission,

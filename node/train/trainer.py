@@ -103,7 +103,7 @@ class TrainerNode:
                  alive: Optional[Callable[[str], bool]] = None, faults=None,
                  on_kill: Optional[Callable[[], None]] = None, link_estimate=None,
                  allow: Optional[Callable[[str], bool]] = None, metrics=None, join_at: Optional[int] = None,
-                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None, reaches=None):
+                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None, reaches=None, relay=None):
         """``alive(peer)``: membership oracle (the daemon's view: advert not expired, not OFFLINE); None =
         every member counts as alive until a send to it fails. ``faults``: optional
         :class:`node.train.faults.FaultInjector`. ``on_kill``: what an injected kill does (default: crash this
@@ -122,7 +122,7 @@ class TrainerNode:
         self.faults = faults
         self._on_kill = on_kill
         self._link_estimate = link_estimate
-        self._allow = allow
+        self._allow, self._relay = allow, relay  # relay: node.dataplane.relay.Relay, or None
         self.metrics = metrics
         self.join_at = join_at
         self.resources = StageResources()
@@ -303,7 +303,7 @@ class TrainerNode:
     async def _start_dataplane(self) -> None:
         from node.dataplane.transport import DataPlane
 
-        kwargs = {k: v for k, v in (("allow", self._allow), ("metrics", self.metrics)) if v is not None}
+        kwargs = {k: v for k, v in (("allow", self._allow), ("metrics", self.metrics), ("relay", self._relay)) if v is not None}
         kwargs["guard"] = microbatch_guard(self.cfg, self.epochs, self.peer_id, self.progress)
         rejected = FrameRejections(self.cfg, self.peer_id, self.epochs, self.life, self.health, self.resources,
                                    self.sender, self.recovery)

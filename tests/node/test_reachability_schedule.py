@@ -13,17 +13,18 @@ import node.compat  # noqa: F401
 from node.swarm.adverts import FetchedAdvert
 from node.swarm.coordinator import RunConfig
 from node.swarm.view import SwarmView
-from scheduler.reachability import impossible_hops
+from scheduler.reachability import impossible_hops, relayed_hops
 from tests.node.test_schedule_policy import STAGES, _advert, _coordinator, _routes, identities  # noqa: F401
 
 OUT = "outbound_only"
 
 
-def _view(identities, reach: dict[int, str]) -> SwarmView:
+def _view(identities, reach: dict[int, str], relays: tuple[int, ...] = ()) -> SwarmView:
     ids = [i.peer_id.to_base58() for i in identities]
     view = SwarmView(run_id="r", self_id=ids[0])
     view.update_from_dht({
-        p: FetchedAdvert(dataclasses.replace(_advert(p, STAGES[k]), reachability=reach.get(k, "direct")),
+        p: FetchedAdvert(dataclasses.replace(_advert(p, STAGES[k]), reachability=reach.get(k, "direct"),
+                                             relay=k in relays),
                          identities[k].public_key_bytes, time.time() + 60)
         for k, p in enumerate(ids)
     })  # fmt: skip
@@ -53,6 +54,20 @@ async def test_no_epoch_when_every_path_would_need_an_impossible_link(identities
                                RunConfig(3, 3, 4, "skippipe"), published)
     await coordinator.tick()
     assert published == [] and "reachability" in coordinator.status, coordinator.status
+
+
+async def test_a_relay_member_lets_natted_nodes_be_neighbours(identities):
+    # as above, but a public member relays (its advert says so): the NATed pairs are relayed, not impossible
+    natted = {3: OUT, 4: OUT, 5: OUT, 6: OUT}
+    published = []
+    coordinator = _coordinator(identities[0], _view(identities, natted, relays=(0,)), RunConfig(3, 3, 4, "skippipe"),
+                               published)
+    await coordinator.tick()
+    assert len(published) == 1, coordinator.status
+    sched, _ = _routes(published[0])
+    peer_ids = [i.peer_id.to_base58() for i in identities]
+    reach = [natted.get(peer_ids.index(m), "direct") for m in published[0].members]
+    assert relayed_hops(sched, reach) and impossible_hops(sched, reach, relay=True) == [], sched.paths
 
 
 def test_view_says_which_peers_no_connection_can_reach(identities):

@@ -7,8 +7,8 @@ import pytest
 from scheduler.cost import CostMatrix
 from scheduler.errors import ScheduleError
 from scheduler.paths import schedule_paths
-from scheduler.reachability import (LinkKind, RelayParams, apply_reachability, check_reachable, impossible_hops,
-                                    link_kind)
+from scheduler.reachability import (LinkKind, RelayParams, apply_reachability, check_reachable, choose_relays,
+                                    impossible_hops, link_kind, relayed_hops)
 from scheduler.schedule import PathEntry, Schedule
 
 D, R, O, U = "direct", "relayed", "outbound_only", "unknown"
@@ -62,3 +62,37 @@ def test_check_reachable_names_the_hops():
     with pytest.raises(ScheduleError, match="reachability"):
         check_reachable(schedule, [O, O, D])
     assert impossible_hops(schedule, [O, D, O]) == [(2, 0)]
+
+
+def test_a_relay_member_turns_impossible_links_into_relayed_ones():
+    assert link_kind(O, O, relay=True) is LinkKind.RELAYED and link_kind(D, O, relay=True) is LinkKind.DIRECT
+    cost = CostMatrix((1.0,) * 3, ((0, 2, 2), (2, 0, 2), (2, 2, 0)))
+    params = RelayParams(relay_slowdown=3.0, relay_added_s=0.5, impossible_link_s=1e6)
+    out = apply_reachability(cost, [O, O, D], params, relay=True)
+    assert out.link_s[0][1] == out.link_s[1][0] == 2 * 3.0 + 0.5  # through the relay: slower, not impossible
+    assert out.link_s[0][2] == 2  # a dialable end: direct, as before
+    schedule = Schedule(stages=((0,), (1,), (2,)), path_length=3, memory=2,
+                        paths=(PathEntry(data_node=2, route=(2, 0, 1), microbatches=1),))
+    assert impossible_hops(schedule, [O, O, D]) == [(0, 1)]
+    check_reachable(schedule, [O, O, D], relay=True)
+    assert impossible_hops(schedule, [O, O, D], relay=True) == []
+    assert relayed_hops(schedule, [O, O, D]) == [(0, 1)]
+
+
+def test_a_schedule_with_a_relay_may_join_natted_nodes_only_when_it_pays():
+    stages, cost = _stages_and_cost()
+    reach = [D] * 8
+    reach[3] = reach[5] = O
+    cheap = schedule_paths(stages, apply_reachability(cost, reach, RelayParams(1.0, 0.0), relay=True), 4, 4, 4, seed=1)
+    assert relayed_hops(cheap, reach), "a relay as cheap as the link: the search takes the 0.01 s link 3-5"
+    check_reachable(cheap, reach, relay=True)
+    dear = schedule_paths(stages, apply_reachability(cost, reach, RelayParams(100.0, 1.0), relay=True), 4, 4, 4, seed=1)
+    assert relayed_hops(dear, reach) == [], dear.paths  # a dear relay: around it through the public replicas
+
+
+def test_relays_are_chosen_by_peer_id_among_dialable_relaying_members():
+    candidates = {"Qm3": (D, True), "Qm1": (O, True), "Qm2": (U, True), "Qm0": (D, False), "Qm4": (D, True)}
+    assert choose_relays(candidates, "Qm9", 2) == ["Qm2", "Qm3"]  # a NATed one or a non-relay never
+    assert choose_relays(candidates, "Qm2", 5) == ["Qm3", "Qm4"]  # never itself
+    assert choose_relays(dict(reversed(list(candidates.items()))), "Qm9", 2) == ["Qm2", "Qm3"]  # order-free
+    assert choose_relays({"Qm1": (O, True)}, "Qm9", 2) == []

@@ -1,0 +1,45 @@
+"""The data plane's relay for one trainer, from what its host (the daemon) knows: which members relay
+(their adverts), which peers nobody can dial from here (both adverts say outbound-only), and whether this
+node itself serves as a relay (``--relay``, :func:`node.dataplane.relay.serves_relay`).
+
+Only members of the current epoch are relays or relayed for: the relay and the client both check the
+swarm's access rule (``allow``, members only in a private swarm) on every stream and frame.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+from node.dataplane.relay import RELAYS_PER_CLIENT, Relay, RelayClient, RelayMode, RelayServer, serves_relay
+from node.dataplane.transport import MAX_FRAME_BYTES
+from protocol.messages import Reachability
+from scheduler.reachability import LinkKind, choose_relays, link_kind
+
+__all__ = ["relay_of"]
+
+
+def relay_of(host, allow: Optional[Callable[[str], bool]]) -> Optional[Relay]:
+    """A :class:`Relay` for a trainer on ``host`` (a daemon: ``p2p``, ``config.run_id``/``config.relay``,
+    ``view``, ``reachability``, ``peer_alive``, ``metrics``); None for a host without a view (a bare test host)."""
+    if getattr(host, "view", None) is None or not hasattr(host, "reachability"):
+        return None
+    mode = getattr(host.config, "relay", RelayMode.AUTO)
+
+    def own() -> str:
+        return host.reachability.value
+
+    def relays() -> List[str]:
+        live = {p: (e.advert.reachability, e.advert.relay) for p, e in host.view.peers.items() if host.peer_alive(p)}
+        return choose_relays(live, str(host.peer_id), RELAYS_PER_CLIENT)
+
+    def needs_relay(peer: str) -> bool:
+        entry = host.view.get(peer)
+        theirs = entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
+        return link_kind(own(), theirs) is LinkKind.IMPOSSIBLE
+
+    client = RelayClient(host.p2p, host.config.run_id, relays, needs_relay,
+                         behind_nat=lambda: own() == Reachability.OUTBOUND_ONLY.value, allow=allow,
+                         max_frame_bytes=MAX_FRAME_BYTES)
+    server = (RelayServer(host.p2p, host.config.run_id, allow, MAX_FRAME_BYTES, metrics=host.metrics,
+                          enabled=lambda: serves_relay(mode, own())) if mode is not RelayMode.OFF else None)
+    return Relay(client, server)
