@@ -372,7 +372,8 @@ class RelayClient:
             async with circuit.lock:  # a hello (an empty peer-id frame): registers us, nothing to forward
                 await _write_frame(writer, [b""], header_len, byteorder)
             self._readers[relay] = asyncio.create_task(self._read(relay, reader, circuit), name="relay-reader")
-            logger.info("relay: stream open to %s", relay[-8:])
+            logger.info("reachability: reachable via relay %s (other nodes behind NAT reach this one through it)",
+                        relay[-8:])
             return circuit
 
     def _drop(self, relay: str, circuit: _Circuit) -> None:

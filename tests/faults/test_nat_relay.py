@@ -87,3 +87,5 @@ def test_two_natted_neighbours_train_through_a_relay(tmp_path):
     assert_each_step_committed_once(done, (0,), range(n), ITERATIONS)
     for i in range(n):
         assert "Traceback" not in logs[i], logs[i][-3000:]
+    for i in NATTED:  # each NATed node is told how others reach it
+        assert f"reachability: reachable via relay {swarm.nodes[0].peer_id[-8:]}" in logs[i], logs[i][-3000:]
