@@ -56,6 +56,9 @@ class StageState:
         self.server = None
         self.last_saved = -1
         self.trusted = None  # the Verdict of the last downloaded state: whom it came from, who backed it
+        # while this replica downloads its own state it has none to serve or back: two joiners of one stage
+        # in one epoch each asked the other for a sketch and waited out the sketch timeout (60 s) in turn
+        self.joining = False
 
     @property
     def state_iteration(self) -> int:
@@ -101,13 +104,20 @@ class StageState:
         iteration ``start - 1``), else from our own checkpoint; never silently from scratch. The
         state is decoded without running code, checked against this stage's tensors, and taken only
         when the stage's other replicas back it (:func:`fetch_verified_state`)."""
-        from node.dataplane.state_transfer import StateDisputed, StateTransferError, fetch_verified_state
         expected = self.expected()
         # live replicas we can be connected to first (then by peer id, so every joiner asks in the same order),
         # but ask the others too: under load a live peer's advert can lapse for a moment, and a dead one only
         # costs a failed dial; one behind NAT like us cannot hand its state over but can back it (its sketch)
         peers = sorted((p for p in self.epochs.replicas(self.epochs.stage) if p != self.peer_id),
                        key=lambda p: (not (self.health.is_alive(p) and self.health.reaches(p)), p))
+        self.joining = True
+        try:
+            await self._download(start, have_checkpoint, peers, expected)
+        finally:
+            self.joining = False
+
+    async def _download(self, start: int, have_checkpoint: bool, peers: list, expected) -> None:
+        from node.dataplane.state_transfer import StateDisputed, StateTransferError, fetch_verified_state
         snap, error, peer = None, None, None
         for attempt in range(1, self.cfg.state_fetch_attempts + 1):
             try:
@@ -173,6 +183,8 @@ class StageState:
     async def _wait_for(self, stage: int, min_iteration: int) -> None:
         if self.resources.runtime is None or stage != self.epochs.stage:
             raise ValueError(f"stage {stage} is not held here")
+        if self.joining:
+            raise ValueError(f"stage {stage}: this replica is joining, it has no state of its own yet")
         while self.state_iteration < min_iteration:
             if self.life.closed:
                 raise ValueError("trainer is shutting down")
