@@ -85,9 +85,11 @@ function drawGrid(swarm, numStages) {
     for (const p of swarm.peers.filter(p => p.stages.includes(s))) {
       const cls = "node " + p.state + (p.peer_id === swarm.self ? " self" : "");
       const reach = p.reachability || "unknown";  // direct / relayed / outbound-only: who can dial it
+      const relay = p.relay ? "relay" : "";  // forwards data-plane frames between members behind NAT
       const span = el("span", {class: cls, title: p.peer_id + " (" + p.state + ", " + reach + ", seen " + p.age_s + " s ago)",
-                               "data-peer": p.peer_id, "data-state": p.state, "data-reachability": reach},
-                      short(p.peer_id) + " " + p.state + " \u00b7 " + reach);
+                               "data-peer": p.peer_id, "data-state": p.state, "data-reachability": reach,
+                               "data-relay": relay},
+                      short(p.peer_id) + " " + p.state + " \u00b7 " + reach + (relay ? " \u00b7 +relay" : ""));
       td.appendChild(span);
     }
     tr.appendChild(td);
@@ -95,13 +97,14 @@ function drawGrid(swarm, numStages) {
   }
 }
 
-function drawPaths(sched) {
+function drawPaths(sched, swarm) {
   const svg = document.getElementById("paths");
   svg.replaceChildren();
   const s = sched && sched.schedule;
   if (!s) { svg.appendChild(el("svg:text", {x: 20, y: 30}, "no schedule yet: " + (sched ? sched.status : ""))); return; }
   const colW = 600 / Math.max(1, s.stages.length), rowH = 220 / Math.max(1, ...s.stages.map(c => c.length));
-  const pos = {};
+  const pos = {}, behindNat = {};
+  (swarm ? swarm.peers : []).forEach(p => { behindNat[p.peer_id] = p.reachability === "outbound_only"; });
   s.stages.forEach((nodes, stage) => nodes.forEach((v, i) => { pos[v] = [30 + stage * colW, 30 + i * rowH + rowH / 2]; }));
   s.stages.forEach((nodes, stage) => svg.appendChild(el("svg:text", {x: 30 + stage * colW - 12, y: 16, "font-size": 11},
                                                         stage === 0 ? "data" : "stage " + stage)));
@@ -113,6 +116,15 @@ function drawPaths(sched) {
     });
     svg.appendChild(el("svg:polyline", {points: pts.join(" "), fill: "none", stroke: COLORS[k % COLORS.length],
                                         "stroke-width": 2, "stroke-opacity": 0.8, class: "path"}));
+    // a hop between two members nobody can dial goes through a relay: drawn dashed over the path
+    path.route.forEach((v, i) => {
+      const w = path.route[(i + 1) % path.route.length];
+      if (behindNat[sched.members[v]] && behindNat[sched.members[w]]) {
+        const [x1, y1] = pos[v] || [0, 0], [x2, y2] = pos[w] || [0, 0];
+        svg.appendChild(el("svg:line", {x1: x1, y1: y1 + off, x2: x2, y2: y2 + off, stroke: "#000",
+                                        "stroke-dasharray": "4 3", class: "relayed"}));
+      }
+    });
   });
   for (const [v, [x, y]] of Object.entries(pos)) {
     const peer = sched.members[v];
@@ -164,7 +176,7 @@ async function refresh() {
     document.getElementById("epoch").textContent = sched.epoch === null ? "-" : sched.epoch;
     document.getElementById("coord").textContent = sched.status || "";
     drawGrid(swarm, status.run && status.run.num_stages);
-    drawPaths(sched);
+    drawPaths(sched, swarm);
     drawLoss(iters);
     drawTraffic(traffic, iters);
     document.getElementById("updated").textContent = new Date().toLocaleTimeString();

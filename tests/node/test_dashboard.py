@@ -128,7 +128,7 @@ def page(browser_path, tmp_path_factory):
 
 
 GRID_JS = ("[...document.querySelectorAll('#grid [data-peer]')]"
-           ".map(e => [e.dataset.peer, e.dataset.state, e.dataset.reachability])")
+           ".map(e => [e.dataset.peer, e.dataset.state, e.dataset.reachability, e.dataset.relay])")
 STATE_JS = (
     "JSON.stringify({grid: " + GRID_JS + ", paths: document.querySelectorAll('#paths polyline.path').length,"
     " refreshes: Number(document.body.dataset.refreshes || 0), epoch: document.getElementById('epoch').textContent})"
@@ -157,17 +157,19 @@ def test_dashboard_shows_swarm_and_follows_a_kill(swarm, page):
 
     def all_online_with_paths():
         state = _page_state(page)
-        online = {peer for peer, st, _ in state.get("grid", []) if st == "ONLINE"}
+        online = {peer for peer, st, *_ in state.get("grid", []) if st == "ONLINE"}
         return online == ids and state["paths"] > 0 and state
 
     before = poll(all_online_with_paths, what="the page lists every node ONLINE and draws the paths")
 
-    def reachability_as_advertised():  # each node's reachability as the adverts say it (the page polls them)
-        advertised = {p["peer_id"]: p["reachability"] for p in rpc(swarm.nodes[0].rpc_url, "swarm")["peers"]}
-        shown = {peer: reach for peer, _, reach in _page_state(page).get("grid", [])}
-        return shown == advertised and None not in shown.values()
+    def reachability_as_advertised():  # each node's reachability and relay role as the adverts say (polled)
+        advertised = {p["peer_id"]: (p["reachability"], "relay" if p["relay"] else "")
+                      for p in rpc(swarm.nodes[0].rpc_url, "swarm")["peers"]}
+        shown = {peer: (reach, relay) for peer, _, reach, relay in _page_state(page).get("grid", [])}
+        return shown == advertised and all(reach is not None for reach, _ in shown.values()) and advertised
 
-    poll(reachability_as_advertised, what="the page shows each node's reachability")
+    advertised = poll(reachability_as_advertised, what="the page shows each node's reachability and relay role")
+    assert any(relay for _, relay in advertised.values()), advertised  # loopback nodes can be dialled: they relay
     ARTIFACTS.mkdir(exist_ok=True)
 
     async def screenshot(call):
@@ -180,7 +182,7 @@ def test_dashboard_shows_swarm_and_follows_a_kill(swarm, page):
 
     def victim_gone():
         state = _page_state(page)
-        shown = {peer for peer, st, _ in state.get("grid", []) if st != "OFFLINE"}
+        shown = {peer for peer, st, *_ in state.get("grid", []) if st != "OFFLINE"}
         return victim.peer_id not in shown and shown == ids - {victim.peer_id} and state
 
     after = poll(victim_gone, deadline_s=DEADLINE_S, what="the open page drops the killed node")
