@@ -31,9 +31,6 @@ __all__ = [
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 #: Environment variable overriding where identities and state are kept.
 SKIPPIPE_HOME_ENV = "SKIPPIPE_HOME"
-#: Shortest join lead whatever the heartbeat: a joiner's stage build and state download take seconds even
-#: on a LAN, and more on a loaded box (the join lead is in :class:`DaemonConfig`).
-MIN_JOIN_LEAD_S = 10.0
 
 
 def default_home() -> Path:
@@ -105,11 +102,6 @@ class DaemonConfig:
     advert_ttl_heartbeats: float = 3.0
     #: Membership must be stable this long (heartbeats) before a new epoch is computed.
     epoch_debounce_heartbeats: float = 1.5
-    #: Training time (heartbeats, at least :data:`MIN_JOIN_LEAD_S`) between announcing an epoch that adds a
-    #: node and its first iteration: the joiner adopts it by gossip and heartbeats, builds its stage and
-    #: downloads the stage's state in it (30 s at the default 5 s heartbeat: tens of seconds on a loaded
-    #: box or a slow link; a swarm that beats faster learns of the joiner sooner and waits less).
-    join_lead_heartbeats: float = 6.0
     #: A backup coordinator waits this many heartbeats per rank before taking over.
     coordinator_timeout_heartbeats: float = 3.0
     #: Link probes run every this many heartbeats, against a few peers per round.
@@ -136,10 +128,6 @@ class DaemonConfig:
     @property
     def epoch_debounce_s(self) -> float:
         return self.heartbeat_s * self.epoch_debounce_heartbeats
-
-    @property
-    def join_lead_s(self) -> float:
-        return max(MIN_JOIN_LEAD_S, self.heartbeat_s * self.join_lead_heartbeats)
 
     @property
     def coordinator_timeout_s(self) -> float:

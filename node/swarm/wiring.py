@@ -47,7 +47,7 @@ def coordinator_of(daemon: "SwarmHost", on_adopt: Callable[["ScheduleEpoch"], No
     coordinator = Coordinator(
         run_id=cfg.run_id, identity=daemon.identity, view=daemon.view, run=daemon.run, memory=cfg.memory_slots,
         debounce_s=cfg.epoch_debounce_s, takeover_s=cfg.coordinator_timeout_s, budget_s=cfg.schedule_budget_s,
-        publish=daemon.membership.publish_epoch, on_adopt=on_adopt, join_lead_s=cfg.join_lead_s,
+        publish=daemon.membership.publish_epoch, on_adopt=on_adopt,
         progress=lambda lead_s=0.0: daemon.training_progress(lead_s) if daemon.training_progress is not None else None,
         admission=daemon.admission, replan=cfg.replan)
     coordinator.blocker = lambda: daemon.coordination_blocker() if daemon.coordination_blocker is not None else None

@@ -12,7 +12,6 @@ import pytest
 
 from node.net.identity import load_or_create_identity
 from node.swarm.adverts import FetchedAdvert
-from node.swarm.config import MIN_JOIN_LEAD_S, DaemonConfig
 from node.swarm.coordinator import Coordinator, RunConfig, rank_candidates
 from node.swarm.view import SwarmView
 from node.train.service import ServiceState, TrainerService, capped_join_boundary
@@ -81,12 +80,6 @@ def test_join_lead_never_reaches_past_the_run():
     assert capped_join_boundary(398, 700, 400) == 399  # one iteration left: still joins
     assert capped_join_boundary(401, 700, 400) == 401  # none left: past the end (the run is over)
     assert capped_join_boundary(5, 3, 400) == 5  # never before the earliest boundary
-
-
-def test_join_lead_follows_the_heartbeat_with_a_floor():
-    assert DaemonConfig().join_lead_s == 30.0  # the default 5 s heartbeat: what a public swarm gets
-    assert DaemonConfig(heartbeat_s=2.0).join_lead_s == 12.0
-    assert DaemonConfig(heartbeat_s=0.5).join_lead_s == MIN_JOIN_LEAD_S  # a stage download still takes seconds
 
 
 def test_candidates_rank_members_before_joiners(identities):
