@@ -360,7 +360,7 @@ def _main(args) -> int:
     print(f"\nnat_vs_public_tokens_ratio: {tr:.2f} (target >= {TARGET_TOKENS_RATIO}: "
           f"{'met' if tr >= TARGET_TOKENS_RATIO else 'NOT met'}); NATed start-to-ONLINE / public: "
           + ("n/a" if orr is None else f"{orr:.2f} (target <= {TARGET_ONLINE_RATIO}: "
-             f"{'met' if orr <= TARGET_ONLINE_RATIO else 'NOT met'})") + "; bytes relayed: 0 (no relay exists)")
+             f"{'met' if orr <= TARGET_ONLINE_RATIO else 'NOT met'})") + f"; bytes relayed: {result['bytes_relayed']}")
     path = write_result(result, args.out)
     print(f"wrote {path}")
     bad = any(r["leftover_processes"] or r["leftover_namespaces"] for r in results.values())
