@@ -178,8 +178,7 @@ async def complete_the_view(view: SwarmView, fetch_all, num_stages: int, rereads
     read every stage's adverts again (``fetch_all(num_stages)``, merged in), up to ``rereads`` times, until
     a read finds nobody new (a swarm that is still filling up costs one read)."""
     def some_stage_unheld() -> bool:
-        held = {s for entry in view.alive() if entry.peer_id != view.self_id for s in entry.advert.stages}
-        return any(s not in held for s in range(1, num_stages))
+        return not all(stage_reachability(view, num_stages)[1:])
 
     for _ in range(rereads):
         if not some_stage_unheld():
