@@ -12,20 +12,56 @@ Lateness also counts the time the operating system gave the loop's thread to oth
 on a loaded machine can dwarf anything the loop did. So the probe also records the loop thread's own
 CPU time between two wake-ups (``busy_max_s``): work that ran on the loop, whoever was scheduled
 meanwhile. Tests bound that one.
+
+A stall long enough to cost a heartbeat is also reported where it happens: a watcher thread notices
+when the probe has not woken for :data:`STALL_REPORT_S` and logs, once per stall, the Python stack
+the loop's thread is running then (nothing when that thread is only waiting for the operating system
+to schedule it, i.e. inside the loop's own poll). Seconds of work on the loop let a node's advert lapse
+and its peers' requests time out, and the stack names the call to move off the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
+import threading
 import time
+import traceback
 from typing import Callable, Optional
 
-__all__ = ["LoopLagProbe", "LOOP_LAG_INTERVAL_S"]
+__all__ = ["LoopLagProbe", "LOOP_LAG_INTERVAL_S", "STALL_REPORT_S", "loop_thread_busy_in"]
+
+logger = logging.getLogger(__name__)
 
 #: How often the probe wakes: short enough that a blocking stretch of a few tens of milliseconds
 #: shows up at about its true length, long enough that the probe itself costs nothing measurable
 #: (20 wake-ups a second).
 LOOP_LAG_INTERVAL_S = 0.05
+#: A probe this late has its loop's stack logged: well above anything a healthy loop does in one go
+#: (tens of milliseconds), below the shortest advert lifetime in use (3 heartbeats of 2 s in tests).
+STALL_REPORT_S = 2.0
+#: Stack frames the stall report shows, innermost last.
+STALL_REPORT_FRAMES = 8
+#: Innermost frames that mean "the loop is idle, waiting in its poll": a late wake-up there is the
+#: machine's load, not work on the loop.
+_IDLE_FRAMES = {"select", "poll", "_run_once", "run_forever", "run_until_complete", "run"}
+
+
+def loop_thread_busy_in(thread_id: int) -> Optional[str]:
+    """The innermost frames the thread ``thread_id`` runs, formatted; None when it is idle in its loop's
+    poll (or gone)."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None or frame.f_code.co_name in _IDLE_FRAMES:
+        return None
+    frames = traceback.extract_stack(frame)
+    # the innermost frames can all be inside a library (an import chain, say): show the innermost of
+    # the application's own too, which name the call to move off the loop
+    own = [f for f in frames if "-packages" not in f.filename and not f.filename.startswith("<")]
+    shown = own[-(STALL_REPORT_FRAMES // 2):]
+    inner = [f for f in frames[-(STALL_REPORT_FRAMES // 2):] if f not in shown]
+    lines = traceback.format_list(shown) + (["  ...\n"] if inner else []) + traceback.format_list(inner)
+    return "".join(lines).rstrip()
 
 
 class LoopLagProbe:
@@ -46,7 +82,11 @@ class LoopLagProbe:
         self.samples = 0
         #: the most CPU time the loop's thread spent between two consecutive wake-ups
         self.busy_max_s = 0.0
+        #: stalls reported with a stack (see :data:`STALL_REPORT_S`)
+        self.stalls_reported = 0
+        self.stall_report_s = STALL_REPORT_S
         self._task: Optional[asyncio.Task] = None
+        self._woke_at = time.monotonic()
 
     def start(self) -> "LoopLagProbe":
         """Start measuring on the running loop (idempotent)."""
@@ -70,6 +110,15 @@ class LoopLagProbe:
 
     async def run(self) -> None:
         """Measure until cancelled (:meth:`start` runs it as a task; a daemon runs it among its own)."""
+        done, self._woke_at = threading.Event(), time.monotonic()
+        threading.Thread(target=self._watch, args=(threading.get_ident(), done), name="loop-stall-watch",
+                         daemon=True).start()
+        try:
+            await self._measure()
+        finally:
+            done.set()
+
+    async def _measure(self) -> None:
         while True:
             t0, cpu0 = time.monotonic(), time.thread_time()
             await asyncio.sleep(self.interval_s)
@@ -78,5 +127,22 @@ class LoopLagProbe:
             self.last_s = lag
             self.max_s = max(self.max_s, lag)
             self.samples += 1
+            self._woke_at = time.monotonic()
             if self.on_sample is not None:
                 self.on_sample(lag, self.max_s)
+
+    def _watch(self, loop_thread: int, done: threading.Event) -> None:
+        """Watcher thread: log the loop thread's stack once per stall longer than ``stall_report_s``."""
+        reported_at = None
+        while not done.wait(min(0.25, self.stall_report_s / 4)):
+            woke_at = self._woke_at
+            late = time.monotonic() - woke_at
+            if late < self.stall_report_s or reported_at == woke_at:
+                continue
+            where = loop_thread_busy_in(loop_thread)
+            if where is None:
+                continue
+            reported_at = woke_at
+            self.stalls_reported += 1
+            logger.warning("event loop blocked for %.1f s so far (heartbeats, RPCs and data-plane frames wait "
+                           "meanwhile), in:\n%s", late, where)

@@ -6,12 +6,17 @@ microbatches any more, and it would wait for them until the iteration timeout. M
 members found it silent (:mod:`node.swarm.admission`) and issued an epoch without it; while it still
 trains its old iteration it is refused as a stale candidate. So, once the host has adopted an epoch
 that leaves this node out and starts well past where this trainer is, and the trainer has committed
-nothing for :data:`STALE_AFTER_S`, it leaves (``trainer.left``): the training service then waits for
+nothing for :data:`STALE_AFTER_S` (or at once, when that epoch starts :data:`FAR_BEHIND_ITERATIONS` or more
+past where an in-step member could be), it leaves (``trainer.left``): the training service then waits for
 an epoch that admits it again and joins it like any joiner, taking its stage's state from the
 replicas and checking it against them before it trains (``StageState.join``).
 
 An in-step member never meets all three conditions: it commits every iteration, and an epoch that
 drops it starts within a couple of iterations of where it is (it trains up to that boundary).
+The idle clock alone is not enough: a woken trainer does commit its old iterations, one every round
+window or so (each waits out an averaging round its groupmates left long ago), so while the swarm went
+on for a dozen iterations without it, it would crawl through them all, never idle for long, before it
+reached the epoch's start and left.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import contextlib
 import time
 from typing import Callable, Optional
 
-__all__ = ["STALE_AFTER_S", "run_unless_stale", "stale_reason"]
+__all__ = ["FAR_BEHIND_ITERATIONS", "STALE_AFTER_S", "run_unless_stale", "stale_reason"]
 
 #: Seconds without a commit before a trainer that an epoch left out counts as stale: the members'
 #: silence window (``node.swarm.admission.SILENT_AFTER_S``), after which they have dropped it anyway;
@@ -32,6 +37,10 @@ POLL_S = 1.0
 #: How far past our next iteration an epoch leaving us out may start and still be one we train up to:
 #: a coordinator in step with us announces it two iterations ahead (``TrainerNode.switch_iteration``).
 SWITCH_AHEAD_ITERATIONS = 2
+#: How many iterations further still an epoch leaving us out may start before we count as stale at once,
+#: idle or not: a member in step is at most an iteration or two behind the coordinator (one in flight, one
+#: committing); twice that leaves no doubt that the swarm trained on without us.
+FAR_BEHIND_ITERATIONS = 4
 
 
 def stale_reason(epoch, peer_id: str, trainer_epoch: int, current_iteration: int, idle_s: float) -> Optional[str]:
@@ -40,9 +49,10 @@ def stale_reason(epoch, peer_id: str, trainer_epoch: int, current_iteration: int
     if epoch is None or int(epoch.epoch) <= trainer_epoch or peer_id in epoch.members:
         return None
     start = int(epoch.start_iteration)
-    if start <= current_iteration + SWITCH_AHEAD_ITERATIONS or idle_s < STALE_AFTER_S:
+    behind = start - (current_iteration + SWITCH_AHEAD_ITERATIONS)
+    if behind <= 0 or (idle_s < STALE_AFTER_S and behind < FAR_BEHIND_ITERATIONS):
         return None
-    return (f"out of step: still at iteration {current_iteration} after {idle_s:.0f} s without a commit, while "
+    return (f"out of step: still at iteration {current_iteration} ({idle_s:.0f} s since its last commit), while "
             f"schedule epoch {epoch.epoch} left this node out from iteration {start}; re-joining with fresh state")
 
 

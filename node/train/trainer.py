@@ -277,14 +277,14 @@ class TrainerNode:
         Must run on the main thread's event loop (the averager forks and installs signal handlers).
         """
         self._bind_epoch(self.epochs.adopted())
-        module = build_stage(self.cfg.model, self.stage, self.cfg.seed)
-        self.runtime = StageRuntime(module, self.cfg.optim, self.cfg.device,
-                                    padder=self.emulation.padder if self.emulation is not None else None,
-                                    precision=self.cfg.precision)  # autocast + fp16 loss scale
+        padder = self.emulation.padder if self.emulation is not None else None
+        self.runtime = await asyncio.to_thread(  # off the loop: a first optimizer imports torch._dynamo (seconds)
+            lambda: StageRuntime(build_stage(self.cfg.model, self.stage, self.cfg.seed), self.cfg.optim, self.cfg.device,
+                                 padder=padder, precision=self.cfg.precision))  # autocast + fp16 loss scale
         self._forward_s = await self.pipeline.compute(
             lambda: measure_forward_s(self.runtime, self.cfg, self.stage, self.emulation))
         self._apply_epoch()
-        have_checkpoint = self.stage_state.restore()
+        have_checkpoint = await asyncio.to_thread(self.stage_state.restore)
         self.progress.current = self.progress.committed + 1
         await self.stage_state.serve(allow=self._allow)
         joining = self.join_at is not None and self.join_at > 0
@@ -294,7 +294,7 @@ class TrainerNode:
             self.progress.current = self.join_at
             await self._start_dataplane()
             await self.stage_state.join(self.join_at, have_checkpoint=have_checkpoint)
-        self._make_shard()
+        await self._make_shard()
         await self._build_averager()
         if not joining:
             await self._start_dataplane()
@@ -313,8 +313,8 @@ class TrainerNode:
                                    on_rejected=rejected, **kwargs)
         await self.sender.dataplane.start()
 
-    def _make_shard(self) -> None:
-        self.resources.shard, self._splits = data_shard(self.cfg, self.epochs, self._splits)
+    async def _make_shard(self) -> None:
+        self.resources.shard, self._splits = await asyncio.to_thread(data_shard, self.cfg, self.epochs, self._splits)
 
     async def _build_averager(self) -> None:
         self.resources.averager = await rebuild_averager(self.resources.averager, self.dht, self.runtime, self.cfg,
@@ -335,7 +335,7 @@ class TrainerNode:
             return
         if self.runtime is not None:
             self._apply_epoch()
-        self._make_shard()
+        await self._make_shard()
         await self._build_averager()
         self.log.info("switched to schedule epoch %d at iteration %d (%d members)", self.epoch.epoch,
                       self.current_iteration, len(self.members))

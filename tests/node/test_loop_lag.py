@@ -117,3 +117,31 @@ def test_the_probe_sees_work_that_holds_the_loop():
     # the probe's last wake-up comes a little before the work starts, so it reads a little less than the
     # work's length; what matters is that a block of twice the bound reads well above the bound
     assert probe.busy_max_s >= 1.5 * MAX_LOOP_BLOCK_S and probe.max_s >= 1.5 * MAX_LOOP_BLOCK_S
+
+
+def _hold_the_loop_for(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # never yields
+        pass
+
+
+def test_a_stall_is_reported_once_with_the_call_that_held_the_loop_and_idle_time_is_not(caplog):
+    """A loop held for longer than the report threshold gets one warning naming the blocking call; the same
+    time spent idle (awaiting) gets none."""
+
+    async def main():
+        probe = LoopLagProbe(interval_s=PROBE_INTERVAL_S)
+        probe.stall_report_s = 0.3
+        probe.start()
+        await asyncio.sleep(1.0)  # idle: no report
+        idle_reports = probe.stalls_reported
+        _hold_the_loop_for(1.2)  # one stall, reported once however long it lasts
+        await asyncio.sleep(0.2)
+        await probe.stop()
+        return probe, idle_reports
+
+    with caplog.at_level("WARNING", logger="node.ops.looplag"):
+        probe, idle_reports = asyncio.run(main())
+    assert idle_reports == 0
+    assert probe.stalls_reported == 1, caplog.text
+    assert "event loop blocked" in caplog.text and "_hold_the_loop_for" in caplog.text, caplog.text
