@@ -14,10 +14,12 @@ CPU time between two wake-ups (``busy_max_s``): work that ran on the loop, whoev
 meanwhile. Tests bound that one.
 
 A stall long enough to cost a heartbeat is also reported where it happens: a watcher thread notices
-when the probe has not woken for :data:`STALL_REPORT_S` and logs, once per stall, the Python stack
-the loop's thread is running then (nothing when that thread is only waiting for the operating system
-to schedule it, i.e. inside the loop's own poll). Seconds of work on the loop let a node's advert lapse
-and its peers' requests time out, and the stack names the call to move off the loop.
+when the probe has not woken for :data:`STALL_REPORT_S` while the loop's thread spent at least
+:data:`STALL_REPORT_CPU_S` of that time on the CPU, and logs, once per stall, the Python stack that
+thread is running then. Seconds of work on the loop let a node's advert lapse and its peers' requests
+time out, and the stack names the call to move off the loop. A thread that was only waiting (for a
+busy machine to schedule it, for the GIL, or in a blocking call) is not reported: on a loaded host the
+first two are routine and the stack would name whatever code it happened to stop in.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
-__all__ = ["LoopLagProbe", "LOOP_LAG_INTERVAL_S", "STALL_REPORT_S", "loop_thread_busy_in"]
+__all__ = ["LoopLagProbe", "LOOP_LAG_INTERVAL_S", "STALL_REPORT_CPU_S", "STALL_REPORT_S", "loop_thread_busy_in"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,10 @@ LOOP_LAG_INTERVAL_S = 0.05
 #: A probe this late has its loop's stack logged: well above anything a healthy loop does in one go
 #: (tens of milliseconds), below the shortest advert lifetime in use (3 heartbeats of 2 s in tests).
 STALL_REPORT_S = 2.0
+#: CPU seconds the loop's thread must have spent within a stall for it to be reported: ten times what a
+#: healthy loop spends between two wake-ups, and an absolute amount because on a loaded host a thread
+#: doing exactly that work gets only its share of a core (measured: 19% with 12 daemons on 2 cores).
+STALL_REPORT_CPU_S = 0.5
 #: Stack frames the stall report shows, innermost last.
 STALL_REPORT_FRAMES = 8
 #: Innermost frames that mean "the loop is idle, waiting in its poll": a late wake-up there is the
@@ -87,6 +93,8 @@ class LoopLagProbe:
         self.stall_report_s = STALL_REPORT_S
         self._task: Optional[asyncio.Task] = None
         self._woke_at = time.monotonic()
+        self._woke_cpu = 0.0
+        self._cpu_clock: Optional[int] = None
 
     def start(self) -> "LoopLagProbe":
         """Start measuring on the running loop (idempotent)."""
@@ -111,6 +119,8 @@ class LoopLagProbe:
     async def run(self) -> None:
         """Measure until cancelled (:meth:`start` runs it as a task; a daemon runs it among its own)."""
         done, self._woke_at = threading.Event(), time.monotonic()
+        self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+        self._woke_cpu = time.clock_gettime(self._cpu_clock)
         threading.Thread(target=self._watch, args=(threading.get_ident(), done), name="loop-stall-watch",
                          daemon=True).start()
         try:
@@ -127,7 +137,7 @@ class LoopLagProbe:
             self.last_s = lag
             self.max_s = max(self.max_s, lag)
             self.samples += 1
-            self._woke_at = time.monotonic()
+            self._woke_at, self._woke_cpu = time.monotonic(), time.clock_gettime(self._cpu_clock)
             if self.on_sample is not None:
                 self.on_sample(lag, self.max_s)
 
@@ -135,14 +145,20 @@ class LoopLagProbe:
         """Watcher thread: log the loop thread's stack once per stall longer than ``stall_report_s``."""
         reported_at = None
         while not done.wait(min(0.25, self.stall_report_s / 4)):
-            woke_at = self._woke_at
+            woke_at, woke_cpu = self._woke_at, self._woke_cpu
             late = time.monotonic() - woke_at
             if late < self.stall_report_s or reported_at == woke_at:
+                continue
+            try:
+                busy = time.clock_gettime(self._cpu_clock) - woke_cpu
+            except OSError:  # the loop's thread is gone
+                return
+            if busy < STALL_REPORT_CPU_S:
                 continue
             where = loop_thread_busy_in(loop_thread)
             if where is None:
                 continue
             reported_at = woke_at
             self.stalls_reported += 1
-            logger.warning("event loop blocked for %.1f s so far (heartbeats, RPCs and data-plane frames wait "
-                           "meanwhile), in:\n%s", late, where)
+            logger.warning("event loop blocked for %.1f s so far, %.1f s of it on the CPU (heartbeats, RPCs and "
+                           "data-plane frames wait meanwhile), in:\n%s", late, busy, where)

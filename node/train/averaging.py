@@ -132,12 +132,15 @@ def groupmates_went_on(me: str, groupmates: Sequence[str], records: Dict[str, di
                        alive: Callable[[str], bool]) -> bool:
     """True when no groupmate can still be in an averaging round with ``me``.
 
-    ``records`` are the iteration's published norm records (peer id -> record); a replica
-    publishes its record right after its round, with ``avg_group`` = the peers it averaged with
-    (empty when it skipped or failed the round). A groupmate can still be averaging with us if it
-    is alive and has no record yet, or if its record names us (our round completed on its side,
-    so our result is on the way). Records of another epoch belong to another averaging group.
-    A record without ``avg_group`` is not understood, so it never lets us give up."""
+    Asked only after our own step ended without a result (a window without a group, a failed
+    prepared round). ``records`` are the iteration's published norm records (peer id -> record); a
+    replica publishes its record right after its round, with ``avg_group`` = the peers it averaged
+    with (empty when it skipped or failed the round). A groupmate can still be averaging with us
+    only if it is alive and has no record yet. A record naming us counts as gone on too: the round
+    it names is one whose result never reached us (that step is over), so nothing more of it is on
+    the way; waiting for it cost a whole iteration the matchmaking timeout (77 s, measured in the
+    12-daemon chaos test). Records of another epoch belong to another averaging group. A record
+    without ``avg_group`` is not understood, so it never lets us give up."""
     for peer in groupmates:
         if peer == me or not alive(peer):
             continue
@@ -146,8 +149,7 @@ def groupmates_went_on(me: str, groupmates: Sequence[str], records: Dict[str, di
             return False  # still working or still averaging: maybe with us
         if int(record.get("epoch", epoch)) != epoch:
             continue  # another epoch's prefix: it cannot be in our group
-        group = record.get("avg_group")
-        if group is None or me in group:
+        if record.get("avg_group") is None:
             return False
     return True
 
