@@ -269,6 +269,10 @@ def _run(args: argparse.Namespace) -> int:
     from node.cli.train_args import training_services_from_args
 
     services = training_services_from_args(args, spec)
+    if services:  # before the event loop: see import_optimizer_machinery
+        from node.train.runtime import import_optimizer_machinery
+
+        import_optimizer_machinery()
     from node.swarm.daemon import run_daemon  # heavy imports only when actually running
 
     return run_daemon(config, services, exit_when_done=args.exit_when_done)

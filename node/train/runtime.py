@@ -49,7 +49,8 @@ from node.train.model import StageModule
 from node.train.precision import LossScaler, autocast_dtype
 from node.train.timing import synchronize
 
-__all__ = ["OptimConfig", "StageRuntime", "HostToDevice", "make_optimizer", "clip_coefficient", "squared_norm",
+__all__ = ["OptimConfig", "StageRuntime", "HostToDevice", "make_optimizer", "import_optimizer_machinery",
+           "clip_coefficient", "squared_norm",
            "BOUNDARY_DTYPE"]
 
 #: dtype of every activation and gradient a stage hands out (and of the frames on the wire before their codec)
@@ -84,6 +85,15 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> to
     # foreach=False: identical per-tensor arithmetic whether a stage runs alone or in the reference
     return torch.optim.AdamW(list(params), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              weight_decay=cfg.weight_decay, foreach=False)
+
+
+def import_optimizer_machinery() -> None:
+    """Create (and drop) one optimizer. The first ``torch.optim`` optimizer of a process imports
+    ``torch._dynamo`` and ``sympy``: seconds on an idle core, over ten on a loaded one. A training daemon
+    does it before its event loop starts: on the loop it stalled the heartbeats (found by the loop's stall
+    report), and in a worker thread beside the busy loop it took several times longer (the set-up before
+    the first iteration went from 12 s to 42-90 s in the 12-daemon chaos test)."""
+    make_optimizer([torch.nn.Parameter(torch.zeros(1))], OptimConfig())
 
 
 def squared_norm(tensors: Iterable[torch.Tensor]) -> float:

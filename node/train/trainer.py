@@ -277,10 +277,10 @@ class TrainerNode:
         Must run on the main thread's event loop (the averager forks and installs signal handlers).
         """
         self._bind_epoch(self.epochs.adopted())
-        padder = self.emulation.padder if self.emulation is not None else None
-        self.runtime = await asyncio.to_thread(  # off the loop: a first optimizer imports torch._dynamo (seconds)
-            lambda: StageRuntime(build_stage(self.cfg.model, self.stage, self.cfg.seed), self.cfg.optim, self.cfg.device,
-                                 padder=padder, precision=self.cfg.precision))  # autocast + fp16 loss scale
+        module = await asyncio.to_thread(build_stage, self.cfg.model, self.stage, self.cfg.seed)  # heartbeats go on
+        self.runtime = StageRuntime(module, self.cfg.optim, self.cfg.device,  # optimizer imports: node_cmd did them
+                                    padder=self.emulation.padder if self.emulation is not None else None,
+                                    precision=self.cfg.precision)  # autocast + fp16 loss scale
         self._forward_s = await self.pipeline.compute(
             lambda: measure_forward_s(self.runtime, self.cfg, self.stage, self.emulation))
         self._apply_epoch()

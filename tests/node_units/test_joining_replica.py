@@ -35,3 +35,16 @@ async def test_a_joining_replica_refuses_at_once_and_a_trained_one_waits_for_its
     await asyncio.wait_for(waiting, 1.0)
     with pytest.raises(ValueError, match="not held here"):
         await state._wait_for(2, 5)
+
+
+@pytest.mark.asyncio
+async def test_a_request_waiting_when_the_download_starts_is_refused_then():
+    """A sketch request that arrived just before this replica's own download began (nothing to refuse yet)
+    is refused as soon as the download starts, not after the sketch timeout."""
+    state = _stage_state()
+    waiting = asyncio.ensure_future(state._wait_for(1, 5))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    state.joining = True  # StageState.join begins
+    with pytest.raises(ValueError, match="joining"):
+        await asyncio.wait_for(waiting, 1.0)
