@@ -101,9 +101,6 @@ class AveragingConfig:
     prepare_early: bool = True
 
 
-#: What StageAverager._run_prepared returns for a round given up because the groupmates went on.
-_ABANDONED = object()
-
 #: Smallest weight a replica averages with (see StageAverager.average).
 MIN_WEIGHT = 1e-6
 
@@ -268,39 +265,19 @@ class StageAverager:
             except Exception:  # noqa: BLE001 - already finished
                 pass
 
-    async def _run_prepared(self, control, tensors: List[torch.Tensor], weight: float,
-                            abandon_when: Optional[Callable[[], Awaitable[bool]]] = None):
-        """Release a prepared round with our gradients; hivemind's result, None if it failed, or
-        :data:`_ABANDONED` when ``abandon_when`` (asked every round window while we wait) says the
-        groupmates went on: a prepared round that matched us into a group the others then left
-        would otherwise hold this replica, and every member's norm exchange behind it, for the whole
-        ``matchmaking_timeout_s`` (measured: 77 s for one iteration of 12 daemons on 2 cores)."""
+    async def _run_prepared(self, control, tensors: List[torch.Tensor], weight: float):
+        """Release a prepared round with our gradients; hivemind's result, or None if it failed."""
         if control.done():  # matchmaking gave up before we got here
             return None
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._load, tensors)
         control.weight = weight
         control.allow_allreduce()
-
-        async def result():
-            return await control
-
-        waiting = asyncio.ensure_future(result())
-        deadline = loop.time() + self.cfg.matchmaking_timeout_s
         try:
-            while True:
-                await asyncio.wait({waiting}, timeout=max(0.0, min(self.cfg.round_window_s, deadline - loop.time())))
-                if waiting.done():
-                    return waiting.result()
-                if loop.time() >= deadline:
-                    return None
-                if abandon_when is not None and await self._ask(abandon_when):
-                    return _ABANDONED
+            return await asyncio.wait_for(control, self.cfg.matchmaking_timeout_s)
         except Exception as e:  # noqa: BLE001 - hivemind raises assorted errors on failed rounds
             logger.debug("prepared averaging round of %s failed: %r", self.prefix, e)
             return None
-        finally:
-            waiting.cancel()  # stops our wait only: the step itself ends at its own hivemind timeout
 
     async def average(self, tensors: List[torch.Tensor], weight: float,
                       abandon_when: Optional[Callable[[], Awaitable[bool]]] = None,
@@ -327,14 +304,12 @@ class StageAverager:
         weight = max(float(weight), MIN_WEIGHT)
         loop = asyncio.get_running_loop()
         control, self._pending = self._pending, None
-        result = await self._run_prepared(control, tensors, weight, abandon_when) if control is not None else None
+        result = await self._run_prepared(control, tensors, weight) if control is not None else None
         if control is not None:
-            if result is not None and result is not _ABANDONED:
+            if result is not None:
                 self.prepared_ok += 1
             else:
                 self.prepared_failed += 1
-                if result is _ABANDONED:
-                    return self._give_up()
                 if await self._abandoned(abandon_when):
                     return False
         deadline = loop.time() + self.cfg.matchmaking_timeout_s
@@ -373,12 +348,8 @@ class StageAverager:
         """Whether to give the round up (the groupmates went on without this replica); says so."""
         if abandon_when is None or not await self._ask(abandon_when):
             return False
-        return not self._give_up()
-
-    def _give_up(self) -> bool:
-        """Say that this round is given up; False (the round's result)."""
         logger.warning("averaging round of %s abandoned: the groupmates went on without this replica", self.prefix)
-        return False
+        return True
 
     async def _ask(self, abandon_when: Callable[[], Awaitable[bool]]) -> bool:
         """``abandon_when()``, where a failed check (a DHT read timing out under load) means "not
