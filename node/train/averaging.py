@@ -135,8 +135,8 @@ def groupmates_went_on(me: str, groupmates: Sequence[str], records: Dict[str, di
     with (empty when it skipped or failed the round). A groupmate can still be averaging with us
     only if it is alive and has no record yet. A record naming us counts as gone on too: the round
     it names is one whose result never reached us (that step is over), so nothing more of it is on
-    the way; waiting for it cost a whole iteration the matchmaking timeout (77 s, measured in the
-    12-daemon chaos test). Records of another epoch belong to another averaging group. A record
+    the way; waiting for it can cost a whole iteration the matchmaking timeout (a likely cause of the
+    77-79 s rounds seen in the 12-daemon chaos test). Records of another epoch belong to another averaging group. A record
     without ``avg_group`` is not understood, so it never lets us give up."""
     for peer in groupmates:
         if peer == me or not alive(peer):
