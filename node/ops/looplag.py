@@ -119,8 +119,8 @@ class LoopLagProbe:
     async def run(self) -> None:
         """Measure until cancelled (:meth:`start` runs it as a task; a daemon runs it among its own)."""
         done, self._woke_at = threading.Event(), time.monotonic()
-        self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
-        self._woke_cpu = time.clock_gettime(self._cpu_clock)
+        self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())  # thread_time's clock, read from outside
+        self._woke_cpu = time.thread_time()
         threading.Thread(target=self._watch, args=(threading.get_ident(), done), name="loop-stall-watch",
                          daemon=True).start()
         try:
@@ -132,12 +132,12 @@ class LoopLagProbe:
         while True:
             t0, cpu0 = time.monotonic(), time.thread_time()
             await asyncio.sleep(self.interval_s)
-            lag = max(0.0, time.monotonic() - t0 - self.interval_s)
-            self.busy_max_s = max(self.busy_max_s, time.thread_time() - cpu0)
+            self._woke_at, self._woke_cpu = time.monotonic(), time.thread_time()
+            lag = max(0.0, self._woke_at - t0 - self.interval_s)
+            self.busy_max_s = max(self.busy_max_s, self._woke_cpu - cpu0)
             self.last_s = lag
             self.max_s = max(self.max_s, lag)
             self.samples += 1
-            self._woke_at, self._woke_cpu = time.monotonic(), time.clock_gettime(self._cpu_clock)
             if self.on_sample is not None:
                 self.on_sample(lag, self.max_s)
 
