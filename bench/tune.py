@@ -67,12 +67,19 @@ class Setting:
         return f"lr={self.lr:g} warmup={self.warmup} branch={self.branch}"
 
 
-def grid(lrs: Sequence[float], warmups: Sequence[int], seeds: Sequence[int]) -> List[Setting]:
+#: Branch treatments each variant is tried with by default (see the module docstring). A SkipPipe
+#: treatment may add ``+stage-lr``: each stage's rate divided by its visit share (``--stage-lr inverse-visit``).
+FULL_BRANCHES = ("1", "inverse-control")
+SKIP_BRANCHES = ("none", "inverse")
+
+
+def grid(lrs: Sequence[float], warmups: Sequence[int], seeds: Sequence[int],
+         full_branches: Sequence[str] = FULL_BRANCHES, skip_branches: Sequence[str] = SKIP_BRANCHES) -> List[Setting]:
     out = []
     for seed in seeds:
         for lr in lrs:
             for warmup in warmups:
-                for variant, branches in (("full", ("1", "inverse-control")), ("skip", ("none", "inverse"))):
+                for variant, branches in (("full", full_branches), ("skip", skip_branches)):
                     for branch in branches:
                         out.append(Setting(variant, lr, warmup, branch, seed))
     return out
@@ -100,7 +107,9 @@ def _run(setting: Setting, iterations: int, eval_every: int, checkpoints: str) -
             cfg = dataclasses.replace(cfg, full_branch_scale=1.0 / min(shares[1:]))
     else:
         schedule = skip
-        cfg = dataclasses.replace(cfg, train_branch_scale=setting.branch)
+        scale, _, extra = setting.branch.partition("+")
+        cfg = dataclasses.replace(cfg, train_branch_scale=scale,
+                                  stage_lr="inverse-visit" if extra == "stage-lr" else "none")
     t0 = time.perf_counter()
     res = cv.train_run(setting.variant, schedule, cfg, data, load_splits(data),
                        pathlib.Path(checkpoints) / setting.key().replace(" ", "_"), log=lambda line: None)
@@ -170,6 +179,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--lrs", default="1.5e-3,3e-3,6e-3", help="learning rates to try (default 1.5e-3,3e-3,6e-3)")
     p.add_argument("--warmups", default="0", help="linear warm-up lengths in iterations to try (default 0)")
     p.add_argument("--seeds", default="0,1", help="seeds every setting runs at (default 0,1)")
+    p.add_argument("--full-branches", default=",".join(FULL_BRANCHES),
+                   help=f"full-pipeline branch treatments: 1, inverse-control (default {','.join(FULL_BRANCHES)})")
+    p.add_argument("--skip-branches", default=",".join(SKIP_BRANCHES),
+                   help="SkipPipe treatments: none, visit, inverse, each optionally +stage-lr "
+                        f"(default {','.join(SKIP_BRANCHES)})")
     p.add_argument("--iterations", type=int, default=200, help="iterations per run (default 200)")
     p.add_argument("--eval-every", type=int, default=10, help="default 10")
     p.add_argument("--only", default=None, help="run only the settings whose key contains this text")
@@ -196,7 +210,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log = args.out / "runs.jsonl"
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
     done = {r["key"] for r in rows}
-    todo = [s for s in grid(lrs, warmups, seeds) if s.key() not in done and (args.only is None or args.only in s.key())]
+    full_branches = [b for b in args.full_branches.split(",") if b]
+    skip_branches = [b for b in args.skip_branches.split(",") if b]
+    if (set(full_branches) - set(FULL_BRANCHES)
+            or any(b.partition("+")[0] not in ("none", "visit", "inverse") or b.partition("+")[2] not in ("", "stage-lr")
+                   for b in skip_branches)):
+        raise SystemExit("error: unknown branch treatment in --full-branches or --skip-branches (see --help)")
+    todo = [s for s in grid(lrs, warmups, seeds, full_branches, skip_branches) if s.key() not in done and (args.only is None or args.only in s.key())]
     if not args.summary_only and todo:
         print(f"tune: {len(todo)} runs to do ({len(done)} done in {log}), {args.jobs} at a time", flush=True)
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
