@@ -96,24 +96,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="root holding skip/ and full/ (default runs/convergence)")
     p.add_argument("--batches", type=int, default=DEFAULT_BATCHES, help=f"validation batches (default {DEFAULT_BATCHES})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--models", default=None,
+                   help="NAME=DIR,... : compare these checkpoints instead of skip/ and full/ under --checkpoints "
+                        "(for example two skip-trained models of bench/tune.py); the first one's data is used")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR, help="results folder (default bench/results)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.models is not None:
+        dirs = dict(item.partition("=")[::2] for item in args.models.split(",") if item)
+        if not dirs or any(not name or not (pathlib.Path(d) / "stage0").is_dir() for name, d in dirs.items()):
+            raise SystemExit(f"error: --models takes NAME=DIR pairs of checkpoint folders (with stage0/), got {args.models!r}")
+        models = {name: load_checkpoint_dir(pathlib.Path(d)) for name, d in dirs.items()}
+        return _report(models, args)
     if not all((args.checkpoints / r / "stage0").is_dir() for r in RUNS):
         print(f"no convergence checkpoints in {args.checkpoints}; running bench/convergence.py first", file=sys.stderr)
         _load_convergence().main(["--checkpoints", str(args.checkpoints), "--threads", str(args.threads)])
-    models = {r: load_checkpoint_dir(args.checkpoints / r) for r in RUNS}
-    data = data_config_for(models["skip"].meta, models["skip"].config)
+    return _report({r: load_checkpoint_dir(args.checkpoints / r) for r in RUNS}, args)
+
+
+def _report(models: Dict[str, LoadedModel], args: argparse.Namespace) -> int:
+    first = next(iter(models.values()))
+    data = data_config_for(first.meta, first.config)
     batches = validation_batches(load_splits(data), data, args.batches)
     rows = omission_table(models, batches)
     tokens = sum(int(t.numel()) for _, t in batches)
-    print(f"omission: {models['skip'].config.n_stages}-stage models from {args.checkpoints} "
-          f"(skip = trained on paths of {models['skip'].meta.get('path_length', 4)}/6 stages, full = full pipeline), "
-          f"iteration {models['skip'].iteration}; {data.corpus} validation, {len(batches)} batches = {tokens} tokens")
-    print(format_rows(rows, RUNS))
+    if args.models is None:
+        print(f"omission: {first.config.n_stages}-stage models from {args.checkpoints} "
+              f"(skip = trained on paths of {first.meta.get('path_length', 4)}/6 stages, full = full pipeline), "
+              f"iteration {first.iteration}; {data.corpus} validation, {len(batches)} batches = {tokens} tokens")
+    else:
+        print(f"omission: {first.config.n_stages}-stage models " + ", ".join(
+            f"{n} ({m.run_dir}, iteration {m.iteration}, branch scaling {m.branch_scaling})" for n, m in models.items())
+              + f"; {data.corpus} validation, {len(batches)} batches = {tokens} tokens")
+    print(format_rows(rows, list(models)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "omission.json").write_text(json.dumps(
-        {"checkpoints": {r: str(m.run_dir) for r, m in models.items()}, "iteration": models["skip"].iteration,
+        {"checkpoints": {r: str(m.run_dir) for r, m in models.items()}, "iteration": first.iteration,
          "validation": {"corpus": data.corpus, "batches": len(batches), "tokens": tokens}, "rows": rows}, indent=1))
     print(f"wrote {args.out / 'omission.json'}")
     return 0

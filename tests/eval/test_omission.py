@@ -119,3 +119,22 @@ def test_broken_checkpoint_folders_are_user_errors(tmp_path, trained):
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(UserError, match="corrupt"):
         load_checkpoint_dir(torn)
+
+
+def test_omission_bench_compares_any_named_checkpoints(tmp_path, trained):
+    """bench/omission.py --models: the table for the named folders (here one model under two names, so the
+    two columns must agree to the last digit), and a bad pair is one error line."""
+    import json
+
+    from tests.eval.benches import load_bench
+
+    bench = load_bench("omission")
+    run_dir = trained[1]
+    assert bench.main(["--models", f"a={run_dir},b={run_dir}", "--batches", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "omission.json").read_text())["rows"]
+    assert [r["kept"] for r in rows] == [6, 5, 4, 3]
+    for r in rows:
+        assert set(r["models"]) == {"a", "b"} and r["models"]["a"] == r["models"]["b"]
+    assert rows[-1]["models"]["a"]["mean_change_pct"] != 0.0
+    with pytest.raises(SystemExit, match="^error: --models"):
+        bench.main(["--models", f"a={tmp_path / 'nothing'}", "--out", str(tmp_path)])
