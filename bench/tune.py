@@ -26,7 +26,7 @@ final one beside it. Output: a table per variant and ``summary.json`` with each 
 setting and the gap of the best SkipPipe setting to the best full-pipeline setting, per seed and
 as a mean with its spread.
 
-Run: ``python bench/tune.py`` (tiny, 200 iterations, seeds 0 and 1; about 30 runs of 2.5-3.5
+Run: ``python bench/tune.py`` (tiny, 200 iterations, seeds 0 and 1; 24 runs of 2-3.5
 CPU-minutes each).
 """
 
