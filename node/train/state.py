@@ -183,11 +183,14 @@ class StageState:
     async def _wait_for(self, stage: int, min_iteration: int) -> None:
         if self.resources.runtime is None or stage != self.epochs.stage:
             raise ValueError(f"stage {stage} is not held here")
-        while self.state_iteration < min_iteration:
-            # checked on every poll: a request that arrived just before our own download started would
+        while True:
+            # refused while joining, before the iteration is compared (the state held then is the one being
+            # replaced) and on every poll: a request that arrived just before our own download started would
             # otherwise wait for a state only that download brings (two joiners asking each other: 60 s each)
             if self.joining:
                 raise ValueError(f"stage {stage}: this replica is joining, it has no state of its own yet")
+            if self.state_iteration >= min_iteration:
+                return
             if self.life.closed:
                 raise ValueError("trainer is shutting down")
             await asyncio.sleep(0.05)
