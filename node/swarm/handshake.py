@@ -39,6 +39,12 @@ DEFAULT_NUM_STAGES = 2
 AUTO_VIEW_REREADS = 3
 #: Seconds between those reads: a DHT lookup retried at once tends to ask the same peers.
 AUTO_VIEW_REREAD_PAUSE_S = 2.0
+#: Rounds of ``hello`` over all initial peers before a joiner gives up. A busy initial peer (a founder
+#: on two cores beside five other starting daemons) has closed a hello stream unanswered; a round later
+#: it answers. A refusal (access denied, wrong run, wrong version) is an answer and is never retried.
+HELLO_ROUNDS = 3
+#: Seconds between rounds: long enough for a peer that is starting its services to finish.
+HELLO_ROUND_PAUSE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -91,42 +97,68 @@ def founding_run_config(cfg: DaemonConfig) -> RunConfig:
 
 
 async def handshake(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: str, protocol_version: int,
-                    initial_ids: Sequence[PeerID], log: logging.LoggerAdapter | logging.Logger = logger) -> HelloReply:
-    """Ask an initial peer which run it serves; refuse a wrong run id or protocol version."""
-    errors = []
-    for maddr, initial_id in zip(cfg.initial_peers, initial_ids):
-        try:
-            params = {"run_id": cfg.run_id, "protocol_version": protocol_version}
-            proof = access.hello_proof(peer_id) if cfg.access_handshake else None
-            if proof is not None:
-                params[HELLO_PROOF_PARAM] = proof
-            info = await call_p2p(p2p, initial_id, "hello", params, timeout=cfg.hello_timeout_s)
-        except RpcCallError as e:
-            if "access denied" in str(e):
-                if not cfg.access_handshake:  # test knob: a modified client pushes on regardless
-                    log.warning("hello refused (%s); joining anyway without the handshake", e)
-                    return HelloReply(founding_run_config(cfg))
-                raise UserError(f"{maddr} refused this node: {str(e).split('access denied: ', 1)[-1]}") from None
-            errors.append(f"{maddr}: {e}")
-            continue
-        if not isinstance(info, dict) or "run_id" not in info:
-            errors.append(f"{maddr}: not a skippipe node")
-            continue
-        if info.get("protocol_version") != protocol_version:
-            raise UserError(
-                f"incompatible protocol version: {maddr} speaks v{info.get('protocol_version')}, "
-                f"this node speaks v{protocol_version}; upgrade the older side"
-            )
-        if info["run_id"] != cfg.run_id:
-            raise UserError(
-                f"wrong run id: {maddr} serves run {info['run_id']!r}, not {cfg.run_id!r} (pass --run-id {info['run_id']})"
-            )
+                    initial_ids: Sequence[PeerID], log: logging.LoggerAdapter | logging.Logger = logger,
+                    rounds: int = HELLO_ROUNDS, round_pause_s: float = HELLO_ROUND_PAUSE_S) -> HelloReply:
+    """Ask the initial peers which run they serve; refuse a wrong run id or protocol version.
+
+    Peers that fail to answer (closed stream, timeout, unreachable) are asked again, up to ``rounds``
+    rounds ``round_pause_s`` apart; the error line names each peer's last failure.
+    """
+    errors: dict[str, str] = {}
+    for round_no in range(max(1, rounds)):
+        if round_no:
+            log.info("no initial peer answered hello (%s); asking again in %.0f s",
+                     "; ".join(errors.values()), round_pause_s)
+            await asyncio.sleep(round_pause_s)
+        for maddr, initial_id in zip(cfg.initial_peers, initial_ids):
+            try:
+                return await _hello(p2p, cfg, access, peer_id, protocol_version, maddr, initial_id, log)
+            except _NoAnswer as e:
+                errors[maddr] = f"{maddr}: {e}"
+    raise UserError("no initial peer answered the handshake: " + "; ".join(errors.values()))
+
+
+class _NoAnswer(Exception):
+    """An initial peer gave no usable answer (worth asking again, or asking another)."""
+
+
+async def _hello(p2p: P2P, cfg: DaemonConfig, access: SwarmAccess, peer_id: str, protocol_version: int,
+                 maddr: str, initial_id: PeerID, log: logging.LoggerAdapter | logging.Logger) -> HelloReply:
+    """One ``hello`` to one initial peer: its reply, a :class:`UserError` for a refusal, or :class:`_NoAnswer`."""
+    try:
+        params = {"run_id": cfg.run_id, "protocol_version": protocol_version}
+        proof = access.hello_proof(peer_id) if cfg.access_handshake else None
+        if proof is not None:
+            params[HELLO_PROOF_PARAM] = proof
+        info = await call_p2p(p2p, initial_id, "hello", params, timeout=cfg.hello_timeout_s)
+    except RpcCallError as e:
+        if "access denied" in str(e):
+            if not cfg.access_handshake:  # test knob: a modified client pushes on regardless
+                log.warning("hello refused (%s); joining anyway without the handshake", e)
+                return HelloReply(founding_run_config(cfg))
+            raise UserError(f"{maddr} refused this node: {str(e).split('access denied: ', 1)[-1]}") from None
+        raise _NoAnswer(str(e)) from None
+    if not isinstance(info, dict) or "run_id" not in info:
+        raise _NoAnswer("not a skippipe node")
+    if info.get("protocol_version") != protocol_version:
+        raise UserError(
+            f"incompatible protocol version: {maddr} speaks v{info.get('protocol_version')}, "
+            f"this node speaks v{protocol_version}; upgrade the older side"
+        )
+    if info["run_id"] != cfg.run_id:
+        raise UserError(
+            f"wrong run id: {maddr} serves run {info['run_id']!r}, not {cfg.run_id!r} (pass --run-id {info['run_id']})"
+        )
+    if not isinstance(info.get("run"), dict):
+        raise _NoAnswer("it has no run configuration yet")
+    try:
         run = RunConfig.from_json(info["run"])
-        if cfg.num_stages is not None and cfg.num_stages != run.num_stages:
-            raise UserError(f"run {cfg.run_id!r} has {run.num_stages} stages, not {cfg.num_stages}")
-        training = info.get("training")
-        return HelloReply(run, str(info.get("peer_id") or "")[:100], training if isinstance(training, dict) else None)
-    raise UserError("no initial peer answered the handshake: " + "; ".join(errors))
+    except (KeyError, TypeError, ValueError) as e:
+        raise _NoAnswer(f"unreadable run configuration ({type(e).__name__})") from None
+    if cfg.num_stages is not None and cfg.num_stages != run.num_stages:
+        raise UserError(f"run {cfg.run_id!r} has {run.num_stages} stages, not {cfg.num_stages}")
+    training = info.get("training")
+    return HelloReply(run, str(info.get("peer_id") or "")[:100], training if isinstance(training, dict) else None)
 
 
 def stage_reachability(view: SwarmView, num_stages: int) -> list[list[str]]:
