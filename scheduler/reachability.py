@@ -24,7 +24,8 @@ from scheduler.errors import ScheduleError
 from scheduler.schedule import Schedule
 
 __all__ = ["LinkKind", "RelayParams", "link_kind", "choose_relays", "connectable", "apply_reachability",
-           "impossible_hops", "relayed_hops", "check_reachable", "stranded_stages", "stranded_replicas"]
+           "impossible_hops", "relayed_hops", "check_reachable", "stranded_stages", "stranded_replicas",
+           "averaging_reducers"]
 
 _DIALABLE = {Reachability.DIRECT.value, Reachability.UNKNOWN.value}
 
@@ -100,6 +101,38 @@ def stranded_replicas(stage_of: Mapping[str, int], reachability: Mapping[str, st
         by_stage.setdefault(s, []).append(node)
     return {node for nodes in by_stage.values() if len(nodes) > 1 for node in nodes
             if not any(connectable(reach(node), reach(o)) for o in nodes if o != node)}
+
+
+def averaging_reducers(stage_of: Mapping[str, int], reachability: Mapping[str, str]) -> dict[int, str]:
+    """Stage -> the dialable node that reduces the gradient all-reduce of a stage whose replicas nobody can dial.
+
+    A stage held by two or more replicas, none of them dialable and some two of them impossible to connect
+    (:func:`connectable`), cannot average: each part of an all-reduce must be reduced by a peer every sender
+    can reach. Such a stage gets a reducer: a dialable node of another stage (every replica can dial it)
+    that joins the stage's all-reduce as an auxiliary peer, contributing nothing and reducing every part.
+    Reducers are spread: each such stage, in stage order, takes the dialable node with the fewest reducer
+    duties so far, ties broken by peer id, so every node computes the same answer from the same epoch and
+    adverts. ``stage_of``: node -> stage; ``reachability``: node -> value (missing: ``unknown``, dialable).
+    No stage gets a reducer when no node is dialable."""
+    def reach(node: str) -> str:
+        return reachability.get(node, Reachability.UNKNOWN.value)
+
+    by_stage: dict[int, list[str]] = {}
+    for node, s in stage_of.items():
+        by_stage.setdefault(s, []).append(node)
+    dialable = sorted(node for node in stage_of if reach(node) in _DIALABLE)
+    duties = {node: 0 for node in dialable}
+    reducers: dict[int, str] = {}
+    for s in sorted(by_stage):
+        nodes = sorted(by_stage[s])
+        if len(nodes) < 2 or any(reach(n) in _DIALABLE for n in nodes) or not dialable:
+            continue
+        if all(connectable(reach(a), reach(b)) for i, a in enumerate(nodes) for b in nodes[i + 1:]):
+            continue
+        pick = min(dialable, key=lambda node: (duties[node], node))
+        duties[pick] += 1
+        reducers[s] = pick
+    return reducers
 
 
 def apply_reachability(cost: CostMatrix, reachability: Sequence[str], params: RelayParams = RelayParams(),

@@ -153,15 +153,22 @@ def groupmates_went_on(me: str, groupmates: Sequence[str], records: Dict[str, di
 
 @dataclass(frozen=True)
 class AveragingGroup:
-    """The replicas of our stage that this replica averages with (itself included), and whether it joins
-    hivemind's all-reduce in client mode (see :func:`averaging_group`)."""
+    """The replicas of our stage that this replica averages with (itself included), whether it joins
+    hivemind's all-reduce in client mode (see :func:`averaging_group`), and the stage's reducer: a dialable
+    node of another stage that reduces every part when no replica can be dialled (None: the replicas do)."""
 
     peers: tuple
     client_mode: bool
+    reducer: Optional[str] = None
+
+    @property
+    def size(self) -> int:
+        """Peers in the hivemind group: the replicas, and the reducer when there is one."""
+        return len(self.peers) + (self.reducer is not None)
 
 
-def averaging_group(me: str, replicas: Sequence[str], reaches: Optional[Callable[[str], bool]] = None
-                    ) -> AveragingGroup:
+def averaging_group(me: str, replicas: Sequence[str], reaches: Optional[Callable[[str], bool]] = None,
+                    reducer: Optional[str] = None) -> AveragingGroup:
     """Whom replica ``me`` averages with: the stage's ``replicas`` that a connection can exist to
     (``reaches(peer)``: False for a peer behind NAT when we are behind NAT too; None: every peer).
 
@@ -173,7 +180,13 @@ def averaging_group(me: str, replicas: Sequence[str], reaches: Optional[Callable
     its tensors to the dialable peers (over connections it opens) and receives the means back. With only
     dialable groupmates it stays a normal peer: the dialable ones reach it over the connections it opened
     (measured in the NAT lab: every round averaged), and it reduces its share of the parts instead of sending
-    all of its tensors to others and taking all of the means back."""
+    all of its tensors to others and taking all of the means back.
+
+    With a ``reducer`` (:func:`scheduler.reachability.averaging_reducers`: no replica of the stage can be
+    dialled), every replica averages with every other in client mode, and the reducer, an auxiliary peer
+    they all dial, reduces every part (:meth:`StageAverager.assist`)."""
+    if reducer is not None and reducer != me:
+        return AveragingGroup(tuple(dict.fromkeys([*replicas, me])), client_mode=True, reducer=reducer)
     group = tuple(p for p in dict.fromkeys(replicas) if p == me or reaches is None or reaches(p))
     return AveragingGroup(group, client_mode=len(group) < len(set(replicas) | {me}))
 
@@ -188,11 +201,15 @@ class StageAverager:
     """Weighted all-reduce of one stage's gradient tensors among that stage's replicas."""
 
     def __init__(self, dht, like: Sequence[torch.Tensor], *, prefix: str, group_size: int,
-                 cfg: AveragingConfig = AveragingConfig(), client_mode: bool = False):
+                 cfg: AveragingConfig = AveragingConfig(), client_mode: bool = False, auxiliary: bool = False,
+                 replicas: Sequence[str] = (), reducer: Optional[str] = None):
+        """``like``: tensors shaped like the stage's gradients. ``auxiliary``: this node only reduces (the
+        stage's reducer, see :meth:`assist`). ``replicas``/``reducer``: the group it was built for."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("DecentralizedAverager must be created on the main thread")
         hivemind = import_hivemind()
         self.prefix, self.group_size, self.cfg = prefix, group_size, cfg
+        self.replicas, self.reducer = tuple(replicas), reducer
         self.allreduce_timeout_s = allreduce_timeout_for(sum(t.numel() * 4 for t in like), cfg)
         self._avg = hivemind.DecentralizedAverager(
             averaged_tensors=[torch.zeros_like(t, device="cpu") for t in like],
@@ -201,8 +218,11 @@ class StageAverager:
             prefix=prefix,
             target_group_size=group_size,
             # a dead replica must not block the others: after min_matchmaking_time the live ones
-            # (at least two) average without it; a full group still starts at once
-            min_group_size=min(2, group_size),
+            # (at least two) average without it; a full group still starts at once. A reducer leads
+            # every group of its stage (the replicas are clients) and contributes nothing, so it
+            # waits for two replicas besides itself: a group of one replica would average nothing
+            min_group_size=min(3 if auxiliary else 2, group_size),
+            auxiliary=auxiliary,
             min_matchmaking_time=cfg.min_matchmaking_time_s,
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=self.allreduce_timeout_s,
@@ -343,6 +363,19 @@ class StageAverager:
             return False
         self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
         return True
+
+    async def assist(self) -> bool:
+        """As the stage's reducer (built ``auxiliary``): take part in one window's round, reducing the parts the
+        replicas send; True if a group averaged. The caller repeats it for as long as it serves the stage."""
+        assert self._started, "call start() first"
+        try:
+            # on the loop thread: the returned MPFuture binds to the loop that creates it
+            result = await self._avg.step(wait=False, timeout=self.cfg.round_window_s)
+        except Exception as e:  # noqa: BLE001 - hivemind raises assorted errors on failed rounds
+            logger.debug("reducer window of %s ended: %r", self.prefix, e)
+            return False
+        self.last_group = tuple(sorted(str(p) for p in result)) if isinstance(result, dict) else ()
+        return result is not None
 
     async def _abandoned(self, abandon_when: Optional[Callable[[], Awaitable[bool]]]) -> bool:
         """Whether to give the round up (the groupmates went on without this replica); says so."""

@@ -33,13 +33,13 @@ from typing import Awaitable, Callable, Dict, Mapping, Optional, Tuple
 
 from node.net.records import NormRecord, read_norm_records, write_norm_record
 from protocol.messages import NormReport
-from scheduler.simulator import allreduce_time_s
 from node.train.averaging import groupmates_went_on
 from node.train.common import DoneFromNorm, IterationState, IterationStats, NodeLog
 from node.train.precision import loss_scales_agree
 from node.train.resync import (TIE_EVERY_ITERATIONS, ResyncAction, ResyncDecision, reachable_source, resync_decision,
                                within_tie_bound)
 from node.train.runtime import clip_coefficient
+from node.train.timing import emulated_allreduce_s
 from node.train.screening import AveragingScreen, robust_squared_norm
 
 __all__ = ["IterationCommit", "global_squared_norm", "norm_report", "record_of_report"]
@@ -231,12 +231,23 @@ class IterationCommit:
         last = self.progress.history[-1].microbatch_s if self.progress.history else self.cfg.averaging.matchmaking_timeout_s
         self.resources.averager.prepare(expected_s=last)
 
+    def _averaging_replicas(self) -> list:
+        """The replicas our averager's group holds: every replica when a reducer serves the stage (the reducer
+        connects them), else those a connection can exist to (as :func:`node.train.averaging.averaging_group`)."""
+        averager = self.resources.averager
+        if averager is not None and averager.reducer is not None:
+            return list(averager.replicas)
+        return [p for p in self.epochs.replicas(self.epochs.stage) if self.health.reaches(p)]
+
     def _live_replicas(self) -> list:
-        return [p for p in self.epochs.replicas(self.epochs.stage) if self.health.is_alive(p) and self.health.reaches(p)]
+        averager = self.resources.averager
+        if averager is not None and averager.reducer is not None and not self.health.is_alive(averager.reducer):
+            return [self.peer_id]  # the reducer went away: nobody can average with us
+        return [p for p in self._averaging_replicas() if self.health.is_alive(p)]
 
     async def _average(self, it: int) -> Optional[bool]:
         assert self.resources.runtime is not None
-        group = [p for p in self.epochs.replicas(self.epochs.stage) if self.health.reaches(p)]  # as averaging_group
+        group = self._averaging_replicas()
         live = self._live_replicas()
         await self.compute(self.resources.runtime.mean_grads)  # device work: in the compute thread
         if self.resources.averager is None or len(live) < 2:
@@ -275,6 +286,9 @@ class IterationCommit:
         with more, the culprit cannot be named and each honest replica keeps its own gradient."""
         self.averaging_outliers += 1
         others = [p for p in live if p != self.peer_id]
+        reducer = self.resources.averager.reducer if self.resources.averager is not None else None
+        if reducer is not None:
+            others.append(reducer)  # it reduced every part: it may be the one that poisoned the mean
         self.log.warning("stage %d averaging of iteration %d gave a gradient of norm %.3g (bound %.3g); stepping "
                          "with the local mean gradient", self.epochs.stage, it, norm, bound or math.nan)
         if len(others) == 1:
@@ -282,23 +296,9 @@ class IterationCommit:
                                          f"(bound {bound:.3g})", ban_now=True)
 
     def emulated_allreduce_s(self, group) -> float:
-        """Seconds the all-reduce of our gradients among ``group`` takes on the emulated links (the
-        slowest link of the group, :func:`scheduler.simulator.allreduce_time_s`); 0 without link
-        emulation or when a link of the group is not emulated."""
-        emulation = self.emulation
-        if emulation is None or emulation.link_emulator is None or self.resources.runtime is None:
-            return 0.0
-        peers = list(dict.fromkeys(group))
-        if len(peers) < 2:
-            return 0.0
-        links = {(a, b): emulation.link_between(a, b, self.peer_id) for a in peers for b in peers if a != b}
-        if any(link is None for link in links.values()):
-            return 0.0
-        n = len(peers)
-        latency = [[0.0 if i == j else links[peers[i], peers[j]].latency_s for j in range(n)] for i in range(n)]
-        bandwidth = [[1.0 if i == j else links[peers[i], peers[j]].bandwidth_Bps for j in range(n)] for i in range(n)]
-        nbytes = sum(g.numel() * g.element_size() for g in self.resources.runtime.grads() if g is not None)
-        return allreduce_time_s(nbytes, range(n), latency, bandwidth)
+        """The emulated all-reduce time of our gradients among ``group`` (:func:`node.train.timing.emulated_allreduce_s`)."""
+        runtime = self.resources.runtime
+        return 0.0 if runtime is None else emulated_allreduce_s(self.emulation, runtime.grads(), group, self.peer_id)
 
     async def _pad_averaging(self, group, took_s: float) -> None:
         """Under link emulation, wait until the averaging phase took its emulated all-reduce time."""

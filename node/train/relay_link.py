@@ -15,7 +15,7 @@ from node.dataplane.transport import MAX_FRAME_BYTES
 from protocol.messages import Reachability
 from scheduler.reachability import LinkKind, choose_relays, link_kind
 
-__all__ = ["relay_of"]
+__all__ = ["relay_of", "reachability_of"]
 
 
 def relay_of(host, allow: Optional[Callable[[str], bool]]) -> Optional[Relay]:
@@ -43,3 +43,19 @@ def relay_of(host, allow: Optional[Callable[[str], bool]]) -> Optional[Relay]:
     server = (RelayServer(host.p2p, host.config.run_id, allow, MAX_FRAME_BYTES, metrics=host.metrics,
                           enabled=lambda: serves_relay(mode, own())) if mode is not RelayMode.OFF else None)
     return Relay(client, server)
+
+
+def reachability_of(host) -> Optional[Callable[[str], str]]:
+    """``peer -> reachability`` as ``host`` (a daemon) knows it: its own for itself, a peer's advertised one,
+    ``unknown`` for a peer not in its view; None for a host without a view (a bare test host)."""
+    if getattr(host, "view", None) is None or not hasattr(host, "reachability"):
+        return None
+    me = str(host.peer_id)
+
+    def of(peer: str) -> str:
+        if peer == me:
+            return host.reachability.value
+        entry = host.view.get(peer)
+        return entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
+
+    return of

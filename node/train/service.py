@@ -34,7 +34,7 @@ from node.train.common import IterationStats, JoinFailed, NodeLog, TrainerConfig
 from node.train.epochs import parse_schedule, stage_index
 from node.train.host import TrainerHost
 from node.train.proof import StageAccess, StageProof, held_sketch, proof_for
-from node.train.relay_link import relay_of
+from node.train.relay_link import reachability_of, relay_of
 from node.train.staleness import run_unless_stale
 
 __all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
@@ -385,7 +385,7 @@ class TrainerService:
         self.trainer = TrainerNode(
             p2p=daemon.p2p, dht=daemon.dht, peer_id=str(daemon.peer_id), epoch=lambda: pinned, config=self.config,
             node_name=self.node_name, on_iteration=self._on_iteration, emulation=self._emulation(daemon),
-            alive=daemon.peer_alive, reaches=daemon.reaches_directly, faults=self.faults, on_kill=_kill_own_process_group,
+            alive=daemon.peer_alive, reaches=daemon.reaches_directly, reachability=reachability_of(daemon), faults=self.faults, on_kill=_kill_own_process_group,
             link_estimate=daemon.link_estimate, allow=StageAccess(daemon), metrics=daemon.metrics,
             join_at=join_at, verify_epoch=daemon.verify_epoch, fetch_epochs=daemon.fetch_epochs,
             relay=relay_of(daemon, StageAccess(daemon)))

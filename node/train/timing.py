@@ -7,7 +7,9 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["deadline_links", "measure_forward_s", "synchronize"]
+from scheduler.simulator import allreduce_time_s
+
+__all__ = ["deadline_links", "measure_forward_s", "synchronize", "emulated_allreduce_s"]
 
 LinkEstimate = Callable[[str, str], Optional[Tuple[float, float]]]
 
@@ -61,3 +63,22 @@ def measure_forward_s(runtime, cfg, stage: int, emulation=None, sync=synchronize
             sync(device)
             times.append(time.perf_counter() - t0)
     return sorted(times)[1]
+
+
+def emulated_allreduce_s(emulation, grads, group, me: str) -> float:
+    """Seconds the all-reduce of ``grads`` among ``group`` takes on the emulated links (the slowest link of the
+    group, :func:`scheduler.simulator.allreduce_time_s`), as node ``me`` sees them; 0 without link emulation, or
+    when a link of the group is not emulated."""
+    if emulation is None or emulation.link_emulator is None:
+        return 0.0
+    peers = list(dict.fromkeys(group))
+    if len(peers) < 2:
+        return 0.0
+    links = {(a, b): emulation.link_between(a, b, me) for a in peers for b in peers if a != b}
+    if any(link is None for link in links.values()):
+        return 0.0
+    n = len(peers)
+    latency = [[0.0 if i == j else links[peers[i], peers[j]].latency_s for j in range(n)] for i in range(n)]
+    bandwidth = [[1.0 if i == j else links[peers[i], peers[j]].bandwidth_Bps for j in range(n)] for i in range(n)]
+    nbytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
+    return allreduce_time_s(nbytes, range(n), latency, bandwidth)

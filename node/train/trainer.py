@@ -35,7 +35,8 @@ from typing import Callable, List, Optional, Tuple
 from node.net.records import finished_key, norm_key, start_key
 from node.train.averaging import StageAverager
 from node.train.branch_scaling import training_branch_scale
-from node.train.build import data_shard, hop_deadlines, microbatch_guard, rebuild_averager
+from node.train.build import close_averaging, data_shard, hop_deadlines, microbatch_guard, rebuild_averaging
+from node.train.reducer import StageReducers
 from node.train.common import (IterationState, IterationStats, JoinFailed, LeftSchedule, Lifecycle, NodeKilled,
                                NodeLog, StageMoved, TrainerConfig, TrainingStalled, arrival_time)
 from node.train.commit import IterationCommit
@@ -103,7 +104,8 @@ class TrainerNode:
                  alive: Optional[Callable[[str], bool]] = None, faults=None,
                  on_kill: Optional[Callable[[], None]] = None, link_estimate=None,
                  allow: Optional[Callable[[str], bool]] = None, metrics=None, join_at: Optional[int] = None,
-                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None, reaches=None, relay=None):
+                 verify_epoch: Optional[Callable[[object], bool]] = None, fetch_epochs=None, reaches=None, relay=None,
+                 reachability: Optional[Callable[[str], str]] = None):
         """``alive(peer)``: membership oracle (the daemon's view: advert not expired, not OFFLINE); None =
         every member counts as alive until a send to it fails. ``faults``: optional
         :class:`node.train.faults.FaultInjector`. ``on_kill``: what an injected kill does (default: crash this
@@ -111,7 +113,8 @@ class TrainerNode:
         ``join_at``: join a run in progress at this iteration, downloading the stage's state first.
         ``verify_epoch(epoch)``: signature check of epochs learnt from members' records (None: trust
         members); ``async fetch_epochs()``: the signed epochs stored in the DHT, for a node that fell
-        behind an epoch switch. ``metrics``: a :class:`node.train.host.TrainingMetrics`. ``reaches``: see PeerHealth."""
+        behind an epoch switch. ``metrics``: a :class:`node.train.host.TrainingMetrics`. ``reaches``: see PeerHealth.
+        ``reachability(peer)``: a member's advertised one, for reducers (:mod:`node.train.reducer`)."""
         self.p2p, self.dht, self.peer_id = p2p, dht, str(peer_id)
         self.emulation = emulation  # optional node.dataplane.emulation.Emulation (WAN/compute emulation); None = off
         self.cfg = config
@@ -126,6 +129,7 @@ class TrainerNode:
         self.metrics = metrics
         self.join_at = join_at
         self.resources = StageResources()
+        self.reducers = StageReducers(dht, self.peer_id, config, reachability, self.log)
         self._forward_s = 0.0
         self.paused_reason: Optional[str] = None
         self.lifecycle = Lifecycle.RUNNING
@@ -317,8 +321,7 @@ class TrainerNode:
         self.resources.shard, self._splits = await asyncio.to_thread(data_shard, self.cfg, self.epochs, self._splits)
 
     async def _build_averager(self) -> None:
-        self.resources.averager = await rebuild_averager(self.resources.averager, self.dht, self.runtime, self.cfg,
-                                                         self.epochs, self.health.reaches)
+        await rebuild_averaging(self.resources, self.reducers, self.dht, self.cfg, self.epochs, self.health.reaches)
 
     # ------------------------------------------------------------------ epochs and pauses
     def offer_epoch(self, epoch) -> None:
@@ -490,9 +493,7 @@ class TrainerNode:
             await self.sender.dataplane.close()
             self.sender.dataplane = None
         await self.stage_state.close()
-        if self.resources.averager is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.resources.averager.shutdown)
-            self.resources.averager = None
+        await close_averaging(self.resources, self.reducers)
         self.pipeline.stop_compute()
 
 

@@ -96,3 +96,21 @@ def test_relays_are_chosen_by_peer_id_among_dialable_relaying_members():
     assert choose_relays(candidates, "Qm2", 5) == ["Qm3", "Qm4"]  # never itself
     assert choose_relays(dict(reversed(list(candidates.items()))), "Qm9", 2) == ["Qm2", "Qm3"]  # order-free
     assert choose_relays({"Qm1": (O, True)}, "Qm9", 2) == []
+
+
+def test_a_stage_whose_replicas_nobody_can_dial_gets_a_dialable_reducer():
+    from scheduler.reachability import averaging_reducers
+
+    out, d, relayed = O, D, R
+    stage_of = {"a": 0, "b": 0, "n1": 1, "n2": 1, "n3": 2, "n4": 2, "p": 3, "n5": 3}
+    reach = {"a": d, "b": d, "n1": out, "n2": out, "n3": out, "n4": out, "p": d, "n5": out}
+    # stages 1 and 2 need one; stage 3 has a dialable replica (client mode suffices); spread over a, b, p
+    assert averaging_reducers(stage_of, reach) == {1: "a", 2: "b"}
+    # a single replica needs none, nor does a stage where a relay-reachable replica connects to the others
+    assert averaging_reducers({"a": 0, "n1": 1}, {"a": d, "n1": out}) == {}
+    assert averaging_reducers({"a": 0, "n1": 1, "n2": 1}, {"a": d, "n1": out, "n2": relayed}) == {}
+    # nobody dialable: nothing to pick
+    assert averaging_reducers({"n1": 1, "n2": 1}, {"n1": out, "n2": out}) == {}
+    # deterministic whatever the mapping's order
+    shuffled = dict(reversed(list(stage_of.items())))
+    assert averaging_reducers(shuffled, reach) == averaging_reducers(stage_of, reach)
