@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, List, Optional
 
 from node.compat import import_hivemind
+from node.dataplane.state_transfer import relayed_state_handler_name, state_relay_handler_name
 from node.dataplane.transport import OFF_LOOP_BYTES, REJECT_LOG_EVERY, SEND_RETRIES, _write_frame
 
 __all__ = ["RelayMode", "serves_relay", "relay_handler_name", "encode_peer", "decode_peer", "RelayServer",
@@ -73,6 +74,15 @@ BAD_PEER_FRAME = "bad_peer_frame"
 OVERSIZED = "oversized"
 NO_ROUTE = "no_route"
 WRITE_FAILED = "write_failed"
+STATE_FAILED = "state_failed"
+#: State downloads (:mod:`node.dataplane.state_transfer`) one relay pipes at once. Each carries a whole stage's
+#: weights and optimizer state through the relay's uplink; a NATed joiner or a re-sync needs one now and then.
+MAX_RELAYED_STATE_STREAMS = 2
+#: Bytes a client may send on a piped state stream: its request (a few dozen bytes) and nothing more.
+MAX_RELAYED_REQUEST_BYTES = 64 * 1024
+#: Seconds a piped state stream may last: a 1 GiB stage state at the relay's rate takes about 40 s; the
+#: stage's own server and client time out sooner, so this only ends streams neither side closes.
+RELAYED_STATE_TIMEOUT_S = 600.0
 
 
 class RelayMode(enum.Enum):
@@ -169,6 +179,10 @@ class RelayServer:
         self.relayed_frames = 0
         self.circuits_opened = 0
         self.refused: collections.Counter = collections.Counter()
+        self._state_slots = asyncio.Semaphore(MAX_RELAYED_STATE_STREAMS)
+        self._state_clients: set = set()  # one piped state stream per client at a time
+        self.relayed_states = 0  # state streams piped (opened to their target)
+        self.run_id = run_id
         self._started = False
 
     @property
@@ -177,6 +191,7 @@ class RelayServer:
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.name, self._handle)
+        await self.p2p.add_binary_stream_handler(state_relay_handler_name(self.run_id), self._handle_state)
         self._started = True
 
     async def close(self) -> None:
@@ -186,10 +201,11 @@ class RelayServer:
             circuit.writer.close()
         self._circuits.clear()
         if self._started:
-            try:
-                await self.p2p.remove_binary_stream_handler(self.name)
-            except Exception:  # noqa: BLE001 - the daemon may be gone already
-                pass
+            for name in (self.name, state_relay_handler_name(self.run_id)):
+                try:
+                    await self.p2p.remove_binary_stream_handler(name)
+                except Exception:  # noqa: BLE001 - the daemon may be gone already
+                    pass
             self._started = False
 
     def _refuse(self, peer: str, reason: str) -> None:
@@ -201,6 +217,7 @@ class RelayServer:
 
     def _allowed(self, peer: str) -> bool:
         return self.allow is None or bool(self.allow(peer))
+
 
     async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client = str(stream_info.peer_id)
@@ -275,6 +292,76 @@ class RelayServer:
         if self.metrics is not None and hasattr(self.metrics, "count_relayed"):
             self.metrics.count_relayed(size)
 
+    async def _handle_state(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A state request from a member to a member nobody can dial (the first frame names it): piped to the
+        target's state handler over the connection the target keeps to this relay, untouched both ways (the
+        client checks a piped state against its source's signed sketch, :func:`fetch_verified_state`)."""
+        client, target_writer, registered = str(stream_info.peer_id), None, False
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            refusal = (NOT_RELAY if not self.enabled() else NOT_MEMBER if not self._allowed(client)
+                       else TOO_MANY_CIRCUITS if self._state_slots.locked() or client in self._state_clients else None)
+            if refusal is not None:
+                self._refuse(client, refusal)
+                return
+            self._state_clients.add(client)
+            registered = True
+            async with self._state_slots:
+                head = await asyncio.wait_for(read_frame(reader, MAX_PEER_FRAME_BYTES), RELAY_WRITE_TIMEOUT_S)
+                target = decode_peer(b"".join(head)) if head is not None else None
+                if not target or not self._allowed(target):
+                    self._refuse(client, BAD_PEER_FRAME if not target else NO_ROUTE)
+                    return
+                peer_id = import_hivemind().p2p.PeerID.from_base58(target)
+                _, target_reader, target_writer = await asyncio.wait_for(
+                    self.p2p.call_binary_stream_handler(peer_id, relayed_state_handler_name(self.run_id)),
+                    RELAY_WRITE_TIMEOUT_S)
+                await _write_frame(target_writer, [encode_peer(client)], *_frame_format())  # whom we pipe for
+                self.relayed_states += 1
+                if self.metrics is not None and hasattr(self.metrics, "count_relayed_state"):
+                    self.metrics.count_relayed_state()
+                await asyncio.wait_for(self._pipe(reader, writer, target_reader, target_writer), RELAYED_STATE_TIMEOUT_S)
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # noqa: BLE001 - one client's stream must not end the relay
+            self._refuse(client, STATE_FAILED)
+            logger.debug("relayed state stream from %s failed: %r", client[-8:], e)
+        finally:
+            self._tasks.discard(task)
+            if registered:
+                self._state_clients.discard(client)
+            writer.close()
+            if target_writer is not None:
+                target_writer.close()
+
+    async def _pipe(self, reader, writer, target_reader, target_writer) -> None:
+        """Client -> target (at most :data:`MAX_RELAYED_REQUEST_BYTES`) and target -> client (paced like frames,
+        counted as relayed bytes) until the target ends its answer."""
+
+        async def upstream() -> None:
+            sent = 0
+            while chunk := await reader.read(OFF_LOOP_BYTES):
+                sent += len(chunk)
+                if sent > MAX_RELAYED_REQUEST_BYTES:
+                    target_writer.close()  # ends the answer too: nothing more is piped
+                    return
+                target_writer.write(chunk)
+                await target_writer.drain()
+
+        up = asyncio.create_task(upstream())
+        try:
+            while chunk := await target_reader.read(OFF_LOOP_BYTES):
+                await self._take(len(chunk))
+                writer.write(chunk)
+                await writer.drain()
+                self.relayed_bytes += len(chunk)
+                if self.metrics is not None and hasattr(self.metrics, "count_relayed_state"):
+                    self.metrics.count_relayed_state(len(chunk))
+        finally:
+            up.cancel()
+            await asyncio.gather(up, return_exceptions=True)
+
     async def _take(self, size: int) -> None:
         """Wait until ``size`` bytes fit the relay's rate (frames queue in arrival order). A frame larger
         than one second's worth waits for a full second's tokens and leaves a debt, so the average holds."""
@@ -295,6 +382,7 @@ class RelayServer:
     def status(self) -> dict:
         return {"circuits": self.circuits, "circuits_opened": self.circuits_opened,
                 "relayed_bytes": self.relayed_bytes, "relayed_frames": self.relayed_frames,
+                "relayed_states": self.relayed_states,
                 "refused": dict(self.refused)}
 
 

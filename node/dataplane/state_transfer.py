@@ -64,12 +64,15 @@ from node.net.framing import FrameTooLarge, read_frame, write_frame
 from node.net.records import read_state_claims
 
 __all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_verified_state", "fetch_sketches",
-           "StateTransferError", "StateDisputed", "state_handler_name"]
+           "StateTransferError", "StateDisputed", "state_handler_name", "state_relay_handler_name",
+           "relayed_state_handler_name", "Via"]
 
 logger = logging.getLogger(__name__)
 
 #: Largest request frame we read (a request is a few dozen bytes).
 MAX_REQUEST_BYTES = 4096
+#: Largest peer-id frame of a relayed request (a base58 libp2p peer id is 46-53 characters).
+MAX_PEER_ID_BYTES = 128
 #: Seconds a caller has to send its whole request.
 REQUEST_TIMEOUT_S = 30.0
 #: Largest answer header a client reads.
@@ -101,6 +104,21 @@ CANDIDATE_FETCH_EVERY_S = 2.0
 OUTSIDER_FETCH_EVERY_S = 30.0
 #: Most candidates whose last download time is remembered (the oldest are forgotten first).
 MAX_CANDIDATES_TRACKED = 1024
+
+
+#: ``via(peer)``: the relay through which to reach ``peer``'s state handler, or None to dial it directly.
+Via = Callable[[str], Optional[str]]
+
+
+def state_relay_handler_name(run_id: str) -> str:
+    """A relay's handler that pipes a state request to a member nobody can dial (:mod:`node.dataplane.relay`)."""
+    return f"skippipe/{run_id}/relay-state/1"
+
+
+def relayed_state_handler_name(run_id: str) -> str:
+    """A state server's handler for requests a relay pipes to it: the relay's first frame names the peer it
+    pipes for (authenticated by the relay's own libp2p stream), whom the server then treats as the requester."""
+    return f"skippipe/{run_id}/state-relayed/1"
 
 
 def state_handler_name(run_id: str) -> str:
@@ -137,8 +155,9 @@ class StateSnapshot:
         return state
 
 
-#: ``snapshot(stage, min_iteration) -> StateSnapshot``; raises ValueError for a stage not held here
-SnapshotFn = Callable[[int, int], Awaitable[StateSnapshot]]
+#: ``snapshot(stage, min_iteration) -> StateSnapshot``; raises ValueError for a stage not held here. A request
+#: through a relay adds ``claim_nonce``: the server then stores a signed claim of the sent weights' sketch under it
+SnapshotFn = Callable[..., Awaitable[StateSnapshot]]
 #: ``sketch(stage, min_iteration, nonce) -> (iteration, weights_sketch)``; ValueError for a stage not held here
 SketchFn = Callable[[int, int, bytes], Awaitable[Tuple[int, List[float]]]]
 
@@ -154,6 +173,7 @@ class StateServer:
         admission candidates: served only once ``await vouch(peer)`` (a challenge with this run's configuration,
         cached by admission) says so, one at a time, and at most once per :data:`CANDIDATE_FETCH_EVERY_S` each."""
         self.p2p, self.name, self._snapshot, self._sketch = p2p, state_handler_name(run_id), snapshot, sketch
+        self.relayed_name = relayed_state_handler_name(run_id)
         self.wait_timeout_s, self._allow, self._member, self._vouch = wait_timeout_s, allow, member, vouch
         self._candidate_slots = asyncio.Semaphore(MAX_CANDIDATE_SERVES)
         self._candidate_served: Dict[str, float] = {}  # candidate -> when its last snapshot was started
@@ -164,10 +184,29 @@ class StateServer:
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.name, self._handle)
+        await self.p2p.add_binary_stream_handler(self.relayed_name, self._handle_relayed)
         self._started = True
 
     async def _handle(self, stream_info, reader, writer) -> None:
-        sender = str(stream_info.peer_id)
+        await self._serve(str(stream_info.peer_id), reader, writer)
+
+    async def _handle_relayed(self, stream_info, reader, writer) -> None:
+        """A request a relay pipes (:mod:`node.dataplane.relay`): the relay must be a member; the peer it names
+        is the requester for every rule below (a candidate stays a candidate when it comes through a relay)."""
+        relay = str(stream_info.peer_id)
+        try:
+            if (self._allow is not None and not self._allow(relay)) or (self._member is not None and not self._member(relay)):
+                self._refuse(relay, "a relay that is no member")
+                writer.close()
+                return
+            origin = (await read_frame(reader, MAX_PEER_ID_BYTES, REQUEST_TIMEOUT_S)).decode("ascii")
+        except (FrameTooLarge, asyncio.TimeoutError, asyncio.IncompleteReadError, UnicodeDecodeError) as e:
+            self._refuse(relay, f"relayed request without its origin: {e!r}")
+            writer.close()
+            return
+        await self._serve(origin, reader, writer)
+
+    async def _serve(self, sender: str, reader, writer) -> None:
         try:
             if self._allow is not None and not self._allow(sender):
                 self._refuse(sender, "peer not allowed")
@@ -179,10 +218,14 @@ class StateServer:
             stage, min_it = int(req["stage"]), int(req["min_iteration"])
             nonce = req.get("sketch_nonce")
             candidate = self._member is not None and not self._member(sender)
+            claim_nonce = req.get("claim_nonce")
+            args = (stage, min_it) if claim_nonce is None else (stage, min_it, claim_nonce)
             try:
+                if claim_nonce is not None and (not isinstance(claim_nonce, bytes) or len(claim_nonce) != NONCE_BYTES):
+                    raise ValueError("bad claim nonce")
                 if candidate and nonce is None:
                     vouched = self._vouch is None or await self._vouch(sender)
-                    await self._serve_candidate(sender, writer, stage, min_it,
+                    await self._serve_candidate(sender, writer, args,
                                                 CANDIDATE_FETCH_EVERY_S if vouched else OUTSIDER_FETCH_EVERY_S)
                     return
                 if nonce is not None:
@@ -194,7 +237,7 @@ class StateServer:
                                                              "checksum": 0.0, "sketch": sketch}))
                     return
                 async with self._slots:
-                    snap = await asyncio.wait_for(self._snapshot(stage, min_it), self.wait_timeout_s)
+                    snap = await asyncio.wait_for(self._snapshot(*args), self.wait_timeout_s)
                     header = {"ok": True, "stage": snap.stage, "iteration": snap.iteration, "checksum": snap.checksum,
                               "digest": snap.digest}
                     await write_frame(writer, msgpack.packb(header))
@@ -214,8 +257,9 @@ class StateServer:
         finally:
             writer.close()
 
-    async def _serve_candidate(self, sender: str, writer, stage: int, min_it: int, every_s: float) -> None:
-        """A snapshot for a non-member, within the non-members' own slot and at most once per ``every_s`` each."""
+    async def _serve_candidate(self, sender: str, writer, args: tuple, every_s: float) -> None:
+        """A snapshot for a non-member (``args`` for the snapshot callback), within the non-members' own slot and
+        at most once per ``every_s`` each."""
         now = time.monotonic()
         if now - self._candidate_served.get(sender, -every_s) < every_s:
             raise ValueError(f"a non-member gets one state download per {every_s:.0f} s")
@@ -226,7 +270,7 @@ class StateServer:
         while len(self._candidate_served) > MAX_CANDIDATES_TRACKED:
             self._candidate_served.pop(next(iter(self._candidate_served)))
         async with self._candidate_slots, self._slots:
-            snap = await asyncio.wait_for(self._snapshot(stage, min_it), self.wait_timeout_s)
+            snap = await asyncio.wait_for(self._snapshot(*args), self.wait_timeout_s)
             await write_frame(writer, msgpack.packb({"ok": True, "stage": snap.stage, "iteration": snap.iteration,
                                                      "checksum": snap.checksum, "digest": snap.digest}))
             await write_frame(writer, snap.payload)
@@ -241,10 +285,11 @@ class StateServer:
 
     async def close(self) -> None:
         if self._started:
-            try:
-                await self.p2p.remove_binary_stream_handler(self.name)
-            except Exception:  # noqa: BLE001
-                pass
+            for name in (self.name, self.relayed_name):
+                try:
+                    await self.p2p.remove_binary_stream_handler(name)
+                except Exception:  # noqa: BLE001
+                    pass
             self._started = False
 
 
@@ -266,12 +311,24 @@ def _parse_header(raw: bytes, stage: int, min_iteration: int) -> dict:
     return header
 
 
-async def _ask(p2p, run_id: str, peer: str, request: dict, timeout_s: float, max_state_bytes: int) -> dict:
-    """One request to ``peer``'s state handler: the checked header, plus ``payload`` unless it asked a sketch."""
+async def _open(p2p, run_id: str, peer: str, via: Optional[Via]):
+    """A stream to ``peer``'s state handler: direct, or through the relay ``via(peer)`` names, which pipes the
+    bytes untouched (the first frame tells it the target); either way the same request and answer follow."""
     hivemind = import_hivemind()
-    stage, min_iteration = request["stage"], request["min_iteration"]
+    relay = via(peer) if via is not None else None
+    target, handler = (peer, state_handler_name(run_id)) if relay is None else (relay, state_relay_handler_name(run_id))
     _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(peer), state_handler_name(run_id)), 30.0)
+        p2p.call_binary_stream_handler(hivemind.p2p.PeerID.from_base58(target), handler), 30.0)
+    if relay is not None:
+        await write_frame(writer, peer.encode("ascii"))
+    return reader, writer
+
+
+async def _ask(p2p, run_id: str, peer: str, request: dict, timeout_s: float, max_state_bytes: int,
+               via: Optional[Via] = None) -> dict:
+    """One request to ``peer``'s state handler: the checked header, plus ``payload`` unless it asked a sketch."""
+    stage, min_iteration = request["stage"], request["min_iteration"]
+    reader, writer = await _open(p2p, run_id, peer, via)
     try:
         await write_frame(writer, msgpack.packb(request))
         header = _parse_header(await read_frame(reader, MAX_HEADER_BYTES + 16 * MAX_SKETCH_VALUES, timeout_s), stage,
@@ -287,7 +344,7 @@ async def _ask(p2p, run_id: str, peer: str, request: dict, timeout_s: float, max
 
 async def fetch_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int, *,
                       max_state_bytes: int, timeout_s: float = 180.0,
-                      expected: Optional[ExpectedState] = None) -> Tuple[str, StateSnapshot]:
+                      expected: Optional[ExpectedState] = None, via: Optional[Via] = None) -> Tuple[str, StateSnapshot]:
     """Ask ``peers`` in order for ``stage``'s state at committed iteration >= ``min_iteration``.
 
     ``max_state_bytes`` bounds the answer (the receiver's :meth:`ExpectedState.max_bytes`). With
@@ -296,16 +353,21 @@ async def fetch_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_it
     did not answer; the decoded state is then on ``snap.state``."""
     errors: List[str] = []
     for peer in peers:
-        snap = await _fetch_one(p2p, run_id, peer, stage, min_iteration, max_state_bytes, timeout_s, expected, errors)
+        snap = await _fetch_one(p2p, run_id, peer, stage, min_iteration, max_state_bytes, timeout_s, expected, errors,
+                                via)
         if snap is not None:
             return peer, snap
     raise StateTransferError(f"no replica of stage {stage} handed over its state: " + ("; ".join(errors) or "none alive"))
 
 
 async def _fetch_one(p2p, run_id: str, peer: str, stage: int, min_iteration: int, max_state_bytes: int,
-                     timeout_s: float, expected: Optional[ExpectedState], errors: List[str]) -> Optional[StateSnapshot]:
+                     timeout_s: float, expected: Optional[ExpectedState], errors: List[str],
+                     via: Optional[Via] = None, claim_nonce: Optional[bytes] = None) -> Optional[StateSnapshot]:
+    request = {"stage": stage, "min_iteration": min_iteration}
+    if claim_nonce is not None:
+        request["claim_nonce"] = claim_nonce
     try:
-        h = await _ask(p2p, run_id, peer, {"stage": stage, "min_iteration": min_iteration}, timeout_s, max_state_bytes)
+        h = await _ask(p2p, run_id, peer, request, timeout_s, max_state_bytes, via)
         snap = StateSnapshot(stage, h["iteration"], float(h["checksum"]), h["payload"], h.get("digest", ""))
         if expected is not None:
             # decoding copies and hashes the whole state: off the event loop
@@ -320,14 +382,15 @@ async def _fetch_one(p2p, run_id: str, peer: str, stage: int, min_iteration: int
 
 
 async def fetch_sketches(p2p, run_id: str, peers: Sequence[str], stage: int, iteration: int, nonce: bytes,
-                         timeout_s: float = SKETCH_TIMEOUT_S) -> Dict[str, Tuple[int, List[float]]]:
+                         timeout_s: float = SKETCH_TIMEOUT_S, via: Optional[Via] = None
+                         ) -> Dict[str, Tuple[int, List[float]]]:
     """Ask every one of ``peers`` at once for its weights sketch at ``iteration`` (or later) under
     ``nonce``: peer -> (iteration, sketch) of those that answered well-formed."""
 
     async def one(peer: str) -> Optional[Tuple[int, List[float]]]:
         try:
             h = await _ask(p2p, run_id, peer, {"stage": stage, "min_iteration": iteration, "sketch_nonce": nonce},
-                           timeout_s, 0)
+                           timeout_s, 0, via)
         except Exception as e:  # noqa: BLE001 - a silent or broken replica makes no claim
             logger.info("no weights sketch of stage %d from %s: %r", stage, peer[-8:], e)
             return None
@@ -354,6 +417,22 @@ async def _signed_claims(dht, run_id: str, stage: int, nonce: bytes,
     return {p: (r.iteration, list(r.sketch)) for p, r in (records or {}).items() if r.stage == stage}
 
 
+async def _source_confirms(dht, run_id: str, source: str, snap: StateSnapshot, claim_nonce: bytes) -> bool:
+    """Whether ``source``'s signed claim under ``claim_nonce`` (stored before it sent the state, see
+    :data:`SnapshotFn`) matches the sketch of the weights that came through the relay; says why not."""
+    own = None
+    if dht is not None:
+        own = (await _signed_claims(dht, run_id, snap.stage, claim_nonce, [source])).get(source)
+    loop = asyncio.get_running_loop()
+    if own is not None and own[0] == snap.iteration:
+        mine = await loop.run_in_executor(None, weights_sketch, snap.state["model"], claim_nonce)
+        if sketches_agree(mine, own[1]):
+            return True
+    logger.warning("stage %d state of iteration %d from %s refused: it came through a relay and its source's signed "
+                   "sketch %s", snap.stage, snap.iteration, source[-8:], "is missing" if own is None else "does not match it")
+    return False
+
+
 @dataclass
 class Verdict:
     """Why a downloaded state was taken: who served it, who vouched for it, who disagreed."""
@@ -375,11 +454,16 @@ class Verdict:
 
 async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: int, min_iteration: int, *,
                                expected: ExpectedState, timeout_s: float = 180.0,
-                               sketch_timeout_s: float = SKETCH_TIMEOUT_S, dht=None) -> Tuple[StateSnapshot, Verdict]:
+                               sketch_timeout_s: float = SKETCH_TIMEOUT_S, dht=None,
+                               via: Optional[Via] = None) -> Tuple[StateSnapshot, Verdict]:
     """``stage``'s state from one of ``peers`` (tried in order), taken only when the other peers'
     sketches of their weights at the same iteration back it (see the module docstring). A refused
     source's state is dropped and the next peer tried, the peers that disagreed with it first. With
-    ``dht`` the peers' signed claims there take precedence over their direct answers."""
+    ``dht`` the peers' signed claims there take precedence over their direct answers.
+
+    ``via``: peers nobody can dial are asked through a relay (:func:`_open`). A relay could alter what it
+    pipes, so a state that came through one is taken only when its source's own signed claim in the DHT
+    (which the relay cannot forge) matches it, and without ``dht`` not at all."""
     import os
 
     errors: List[str] = []
@@ -394,17 +478,22 @@ async def fetch_verified_state(p2p, run_id: str, peers: Sequence[str], stage: in
             raise error(f"no replica of stage {stage} handed over state the others back: "
                         + ("; ".join(errors) or "none alive"))
         tried.add(source)
+        relayed = via is not None and via(source) is not None
+        claim_nonce = os.urandom(NONCE_BYTES) if relayed else None
         snap = await _fetch_one(p2p, run_id, source, stage, min_iteration, expected.max_bytes(), timeout_s, expected,
-                                errors)
+                                errors, via, claim_nonce)
         if snap is None:
             continue
         assert snap.state is not None
+        if relayed and not await _source_confirms(dht, run_id, source, snap, claim_nonce):
+            errors.append(f"{source[-8:]}: its relayed state was not confirmed by its signed sketch")
+            continue
         nonce = os.urandom(NONCE_BYTES)
         others = [p for p in order if p != source]
         loop = asyncio.get_running_loop()
         mine, claims = await asyncio.gather(
             loop.run_in_executor(None, weights_sketch, snap.state["model"], nonce),
-            fetch_sketches(p2p, run_id, others, stage, snap.iteration, nonce, sketch_timeout_s))
+            fetch_sketches(p2p, run_id, others, stage, snap.iteration, nonce, sketch_timeout_s, via))
         if dht is not None:
             claims.update(await _signed_claims(dht, run_id, stage, nonce, others))
         agree = [p for p, (it, sk) in claims.items() if it == snap.iteration and sketches_agree(mine, sk)]

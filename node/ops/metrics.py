@@ -90,6 +90,8 @@ class NodeMetrics:
         self.relayed_bytes = Counter(f"{_PREFIX}_relayed_bytes", "Data-plane bytes this node relayed between members "
                                      "behind NAT (node.dataplane.relay)", registry=r)
         self.relayed_frames = Counter(f"{_PREFIX}_relayed_frames", "Data-plane frames this node relayed", registry=r)
+        self.relayed_states = Counter(f"{_PREFIX}_relayed_states", "Stage-state streams this node piped between two "
+                                      "members nobody else could connect", registry=r)
         self.relay_circuits = Gauge(f"{_PREFIX}_relay_circuits", "Relay streams members behind NAT hold open to this "
                                     "node", registry=r)
         self.loop_lag = Gauge(f"{_PREFIX}_loop_lag_seconds",
@@ -145,6 +147,13 @@ class NodeMetrics:
         self.relayed_bytes.inc(int(nbytes))
         self.relayed_frames.inc()
 
+    def count_relayed_state(self, nbytes: int = 0) -> None:
+        """Part of a piped stage-state stream: ``nbytes`` more bytes (a new stream when 0)."""
+        if nbytes:
+            self.relayed_bytes.inc(int(nbytes))
+        else:
+            self.relayed_states.inc()
+
     def set_relay_circuits(self, n: int) -> None:
         self.relay_circuits.set(int(n))
 
@@ -152,6 +161,7 @@ class NodeMetrics:
         """Relayed bytes, frames and open circuits, for the status RPC."""
         return {"relayed_bytes": int(self.sample(f"{_PREFIX}_relayed_bytes_total") or 0),
                 "relayed_frames": int(self.sample(f"{_PREFIX}_relayed_frames_total") or 0),
+                "relayed_states": int(self.sample(f"{_PREFIX}_relayed_states_total") or 0),
                 "circuits": int(self.sample(f"{_PREFIX}_relay_circuits") or 0)}
 
     def count_reroute(self, n: int = 1) -> None:

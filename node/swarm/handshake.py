@@ -173,12 +173,18 @@ def stage_reachability(view: SwarmView, num_stages: int) -> list[list[str]]:
     return out
 
 
-def stranded_warning(stage: int, replicas: int) -> str:
-    """The one start-up line for a node behind NAT whose stage is held only by nodes behind NAT too."""
+def stranded_warning(stage: int, replicas: int, relayed: bool = False) -> str:
+    """The one start-up line for a node behind NAT whose stage is held only by nodes behind NAT too; ``relayed``:
+    a public member relays, so the stage's state and averaging go through public members instead."""
+    fix = ("forward this node's port on the router and pass --announce-maddrs (see the reachability line), or pick "
+           "another stage (--stages) or --auto")
+    if relayed:
+        return (f"stage {stage}: its {replicas} live replica(s) are all behind NAT like this node, so no direct "
+                f"connection to them can exist: the stage's state comes through a relay and its averaging through a "
+                f"public member (slower, and both load public volunteers); {fix}")
     return (f"stage {stage}: its {replicas} live replica(s) are all behind NAT like this node, so no connection to "
             f"them can exist: this node cannot take the stage's state from them, nor average gradients or re-sync "
-            f"with them; forward this node's port on the router and pass --announce-maddrs (see the reachability "
-            f"line), or pick another stage (--stages) or --auto")
+            f"with them; {fix}")
 
 
 def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
@@ -198,9 +204,10 @@ def choose_stages(cfg: DaemonConfig, run: RunConfig, view: SwarmView,
         chosen = tuple(sorted(set(cfg.stages)))
     else:
         chosen = (_auto_stage(cfg, run, view, log, stranded),)
+    relayed = any(entry.advert.relay for entry in view.alive() if entry.peer_id != view.self_id)
     for s in chosen:
         if s in stranded:
-            log.warning("%s", stranded_warning(s, len(reach[s])))
+            log.warning("%s", stranded_warning(s, len(reach[s]), relayed))
     return chosen
 
 

@@ -88,6 +88,7 @@ class IterationCommit:
         self.epochs, self.progress, self.health, self.resources, self.sender = epochs, progress, health, resources, sender
         self.compute, self.expected_state = compute, expected_state
         self.p2p, self.dht, self.faults, self.emulation = p2p, dht, faults, emulation
+        self.via: Optional[Callable[[str], Optional[str]]] = None  # a replica's state handler: through a relay?
         self.log = NodeLog(logger, node_name)
         self.resyncs = 0
         #: re-syncs refused: no majority, a tie's state too far from ours or too soon after the last copy
@@ -285,10 +286,8 @@ class IterationCommit:
         """An averaged gradient far above our own: with one groupmate, it sent the poison (banned now);
         with more, the culprit cannot be named and each honest replica keeps its own gradient."""
         self.averaging_outliers += 1
-        others = [p for p in live if p != self.peer_id]
-        reducer = self.resources.averager.reducer if self.resources.averager is not None else None
-        if reducer is not None:
-            others.append(reducer)  # it reduced every part: it may be the one that poisoned the mean
+        reducer = self.resources.averager.reducer  # one reduced every part: it may be the one that poisoned the mean
+        others = [p for p in live if p != self.peer_id] + [r for r in (reducer,) if r is not None]
         self.log.warning("stage %d averaging of iteration %d gave a gradient of norm %.3g (bound %.3g); stepping "
                          "with the local mean gradient", self.epochs.stage, it, norm, bound or math.nan)
         if len(others) == 1:
@@ -407,7 +406,8 @@ class IterationCommit:
 
     def _resync_decision(self, records: Mapping[str, NormRecord], mine: float) -> ResyncDecision:
         decision = reachable_source(resync_decision(self._trusted_checksums(records), mine, self.epochs.stage,
-                                                    self.peer_id, self.cfg.resync_tolerance), self.health.reaches)
+                                                    self.peer_id, self.cfg.resync_tolerance),
+                                     lambda p: self.health.reaches(p) or bool(self.via and self.via(p)))
         if decision.action is ResyncAction.FOLLOW or decision.action is ResyncAction.TIE:
             self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g; %s); re-syncing",
                              self.epochs.stage, decision.source[-8:], mine, records[decision.source].checksum,
@@ -441,7 +441,7 @@ class IterationCommit:
         try:
             snap, _ = await fetch_verified_state(self.p2p, self.cfg.run_id, peers, self.epochs.stage, it,
                                                  expected=self.expected_state(),
-                                                 timeout_s=self.cfg.state_fetch_timeout_s, dht=self.dht)
+                                                 timeout_s=self.cfg.state_fetch_timeout_s, dht=self.dht, via=self.via)
         except StateTransferError as e:
             self.log.warning("re-sync failed (%s); stepping on our own", e)
 

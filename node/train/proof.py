@@ -22,6 +22,7 @@ from typing import Callable, List, Optional, Sequence
 
 from node.train.common import NodeLog
 from node.dataplane.probe import stage_sketch
+from node.train.relay_link import state_route
 
 __all__ = ["StageAccess", "StageProof", "PROOF_REFRESH_S", "PROOF_MAX_LAG_STEPS", "stage_replicas", "proof_for",
            "held_sketch"]
@@ -59,17 +60,18 @@ class StageProof:
     def __init__(self, cfg, stage: int, *, peer_id: str, p2p, dht, epoch: Callable[[], object],
                  node_name: Optional[str] = None, wanted: Callable[[], bool] = lambda: True,
                  stage_now: Optional[Callable[[], Optional[int]]] = None,
-                 reaches: Optional[Callable[[str], bool]] = None):
+                 reaches: Optional[Callable[[str], bool]] = None, via: Optional[Callable[[str], Optional[str]]] = None):
         """``epoch()``: the host's adopted schedule epoch (whose replicas of ``stage`` serve the state);
         ``wanted()``: False while no proof is needed (a trainer of this node holds the stage, or the epoch
         names this node): nothing is downloaded then; ``stage_now()``: the stage the node advertises now (a
         moved node proves its new stage; the old stage's state is dropped); ``reaches(peer)``: False for a replica
         no connection to can exist (behind NAT like this node): asked last, as it can only back a state by its
-        sketch in the DHT, never hand one over."""
+        sketch in the DHT, never hand one over, unless ``via(peer)`` names a relay to ask it through."""
         self.cfg, self.stage, self.peer_id = cfg, stage, peer_id
         self.p2p, self.dht, self._epoch, self._wanted = p2p, dht, epoch, wanted
         self._stage_now = stage_now
         self._reaches = reaches or (lambda peer: True)
+        self._via = via
         self.log = NodeLog(logger, node_name)
         self.module = None  # the stage with the last verified state, None until one was taken
         self.iteration: Optional[int] = None
@@ -109,7 +111,7 @@ class StageProof:
 
     def sources(self, epoch) -> List[str]:
         """The replicas of our stage in ``epoch`` to download from, those we can be connected to first."""
-        return sorted(stage_replicas(epoch, self.stage, exclude=self.peer_id), key=lambda p: not self._reaches(p))
+        return sorted(stage_replicas(epoch, self.stage, exclude=self.peer_id), key=lambda p: not (self._reaches(p) or (self._via is not None and self._via(p))))
 
     async def _keep_fresh(self) -> None:
         while True:
@@ -149,7 +151,7 @@ class StageProof:
                 None, build_stage, self.cfg.model, stage, self.cfg.seed)
         snap, verdict = await fetch_verified_state(
             self.p2p, self.cfg.run_id, list(replicas), stage, -1, expected=ExpectedState.of_module(module),
-            timeout_s=self.cfg.state_fetch_timeout_s, dht=self.dht)
+            timeout_s=self.cfg.state_fetch_timeout_s, dht=self.dht, via=self._via)
         async with self._lock:
             if stage != self.stage:
                 return  # the node moved to another stage meanwhile: this state proves nothing now
@@ -182,7 +184,8 @@ def proof_for(cfg, host, node_name: Optional[str], wanted: Callable[[], bool]) -
         return None
     return StageProof(cfg, stage, peer_id=str(host.peer_id), p2p=host.p2p, dht=host.dht,
                       epoch=lambda: host.current_epoch, node_name=node_name, wanted=wanted,
-                      stage_now=lambda: advertised_stage(cfg, host), reaches=host.reaches_directly)
+                      stage_now=lambda: advertised_stage(cfg, host), reaches=host.reaches_directly,
+                      via=state_route(host))
 
 
 async def held_sketch(stage: int, nonce: bytes, trainer, trains: bool, proof: Optional[StageProof],

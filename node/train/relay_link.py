@@ -15,7 +15,7 @@ from node.dataplane.transport import MAX_FRAME_BYTES
 from protocol.messages import Reachability
 from scheduler.reachability import LinkKind, choose_relays, link_kind
 
-__all__ = ["relay_of", "reachability_of"]
+__all__ = ["relay_of", "reachability_of", "state_via", "state_route"]
 
 
 def relay_of(host, allow: Optional[Callable[[str], bool]]) -> Optional[Relay]:
@@ -45,6 +45,12 @@ def relay_of(host, allow: Optional[Callable[[str], bool]]) -> Optional[Relay]:
     return Relay(client, server)
 
 
+def state_via(relay: Optional[Relay]) -> Optional[Callable[[str], Optional[str]]]:
+    """How a trainer reaches a replica's state handler (:data:`node.dataplane.state_transfer.Via`): through
+    the relay its data plane would use for that peer (one both keep a stream to), else directly."""
+    return relay.route if relay is not None else None
+
+
 def reachability_of(host) -> Optional[Callable[[str], str]]:
     """``peer -> reachability`` as ``host`` (a daemon) knows it: its own for itself, a peer's advertised one,
     ``unknown`` for a peer not in its view; None for a host without a view (a bare test host)."""
@@ -59,3 +65,10 @@ def reachability_of(host) -> Optional[Callable[[str], str]]:
         return entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
 
     return of
+
+
+def state_route(host) -> Optional[Callable[[str], Optional[str]]]:
+    """:func:`state_via` for a host that has no trainer yet (an admission candidate taking its proof): the relay a
+    data plane on ``host`` would pick for each peer; None for a host without a view."""
+    relay = relay_of(host, getattr(host, "is_peer_allowed", None))
+    return relay.route if relay is not None else None

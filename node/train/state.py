@@ -49,6 +49,8 @@ class StageState:
         self.peer_id, self.node_name = peer_id, node_name
         self.epochs, self.progress, self.health, self.resources, self.life = epochs, progress, health, resources, life
         self.compute, self.p2p, self.dht, self.faults = compute, p2p, dht, faults
+        #: how to reach a replica's state handler (:data:`node.dataplane.state_transfer.Via`; None: directly)
+        self.via: Optional[Callable[[str], Optional[str]]] = None
         #: why checkpoints stopped (the disk is full: one line), or None; no save is tried after that
         self.disk_full: Optional[str] = None
         self.log = NodeLog(logger, node_name)
@@ -110,6 +112,8 @@ class StageState:
         # costs a failed dial; one behind NAT like us cannot hand its state over but can back it (its sketch)
         peers = sorted((p for p in self.epochs.replicas(self.epochs.stage) if p != self.peer_id),
                        key=lambda p: (not (self.health.is_alive(p) and self.health.reaches(p)), p))
+        if self.via is not None:  # then those behind NAT like us, through a relay
+            peers.sort(key=lambda p: not (self.health.is_alive(p) and (self.health.reaches(p) or self.via(p))))
         self.joining = True
         try:
             await self._download(start, have_checkpoint, peers, expected)
@@ -123,7 +127,7 @@ class StageState:
             try:
                 snap, verdict = await fetch_verified_state(self.p2p, self.cfg.run_id, peers, self.epochs.stage, start - 1,
                                                            expected=expected, timeout_s=self.cfg.state_fetch_timeout_s,
-                                                           dht=self.dht)
+                                                           dht=self.dht, via=self.via)
                 peer, self.trusted = verdict.source, verdict
                 break
             except StateTransferError as e:
@@ -151,24 +155,35 @@ class StageState:
                       self.epochs.stage, snap.iteration, peer[-8:], len(self.trusted.agree),
                       f", disputed by {len(self.trusted.disagree)}" if self.trusted.disagree else "")
 
-    async def _snapshot(self, stage: int, min_iteration: int):
-        """State server callback: this stage's state once iteration ``min_iteration`` is committed."""
+    async def _snapshot(self, stage: int, min_iteration: int, claim_nonce: Optional[bytes] = None):
+        """State server callback: this stage's state once iteration ``min_iteration`` is committed. With
+        ``claim_nonce`` (a request through a relay) also a signed claim of the same weights' sketch under it,
+        stored in the DHT before the state is sent: the receiver checks what the relay piped against it."""
         from node.dataplane.state_transfer import StateSnapshot
         await self._wait_for(stage, min_iteration)
 
         def snap():
             state, it = self.resources.runtime.state_dict(), self.state_iteration
             blob = encode_state(state, {"stage": self.epochs.stage, "iteration": it})
-            return StateSnapshot(self.epochs.stage, it, self.resources.runtime.checksum(), blob, weights_digest(state["model"]))
+            sketch = weights_sketch(state["model"], claim_nonce) if claim_nonce is not None else None
+            return (StateSnapshot(self.epochs.stage, it, self.resources.runtime.checksum(), blob,
+                                  weights_digest(state["model"])), sketch)
 
-        return await self.compute(snap)
+        snapshot, sketch = await self.compute(snap)
+        if sketch is not None:
+            await self._store_claim(snapshot.iteration, claim_nonce, sketch)
+        return snapshot
 
     async def _sketch(self, stage: int, min_iteration: int, nonce: bytes):
         """State server callback: ``(iteration, weights_sketch)`` once ``min_iteration`` is committed."""
-        from node.net.records import StateClaimRecord, write_state_claim
         await self._wait_for(stage, min_iteration)
         it, sketch = await self.compute(
             lambda: (self.state_iteration, weights_sketch(self.resources.runtime.module.state_dict(), nonce)))
+        await self._store_claim(it, nonce, sketch)
+        return it, sketch
+
+    async def _store_claim(self, it: int, nonce: bytes, sketch) -> None:
+        from node.net.records import StateClaimRecord, write_state_claim
         if it >= 0:  # the same word, signed, in the DHT (the verifier prefers it to the direct answer)
             try:
                 await asyncio.wait_for(write_state_claim(self.dht, self.cfg.run_id, self.peer_id, nonce,
@@ -178,7 +193,6 @@ class StageState:
                 raise
             except Exception as e:  # noqa: BLE001 - the direct answer carries the claim too
                 self.log.info("storing the state claim of iteration %d failed: %r", it, e)
-        return it, sketch
 
     async def _wait_for(self, stage: int, min_iteration: int) -> None:
         if self.resources.runtime is None or stage != self.epochs.stage:

@@ -37,6 +37,7 @@ from node.train.averaging import StageAverager
 from node.train.branch_scaling import training_branch_scale
 from node.train.build import close_averaging, data_shard, hop_deadlines, microbatch_guard, rebuild_averaging
 from node.train.reducer import StageReducers
+from node.train.relay_link import state_via
 from node.train.common import (IterationState, IterationStats, JoinFailed, LeftSchedule, Lifecycle, NodeKilled,
                                NodeLog, StageMoved, TrainerConfig, TrainingStalled, arrival_time)
 from node.train.commit import IterationCommit
@@ -158,6 +159,7 @@ class TrainerNode:
                                       sender=self.sender, compute=self.pipeline.compute,
                                       expected_state=self.stage_state.expected, p2p=p2p, dht=dht, faults=faults,
                                       emulation=emulation)
+        self.stage_state.via = self.commit.via = state_via(relay)  # state from a replica nobody can dial: relayed
         self.pipeline.route_with(self.recovery)
         self.recovery.watch_norms_with(self.commit.maybe_done_from_norms)
 
@@ -260,9 +262,6 @@ class TrainerNode:
     def overcommits(self) -> int:
         return self.pipeline.overcommits
 
-    def is_alive(self, peer: str) -> bool:
-        return self.health.is_alive(peer)
-
     # ------------------------------------------------------------------ setup
     def _bind_epoch(self, epoch) -> None:
         self.epochs.bind(epoch)
@@ -346,7 +345,7 @@ class TrainerNode:
     def missing_stages(self) -> List[int]:
         """Stages of the current epoch without a live replica (training cannot go on without them)."""
         return [s for s in range(len(self.epochs.plan.stages))
-                if not any(self.is_alive(p) for p in self.epochs.replicas(s))]
+                if not any(self.health.is_alive(p) for p in self.epochs.replicas(s))]
 
     async def _wait_for_stages(self) -> None:
         """Pause at an iteration boundary while a stage has no live replica; resume on a new epoch."""

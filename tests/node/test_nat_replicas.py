@@ -81,6 +81,9 @@ def test_a_replica_averages_only_with_replicas_it_can_be_connected_to():
     assert averaging_group("a", ["a", "p"], reach.get) == AveragingGroup(("a", "p"), client_mode=False)
     assert averaging_group("a", ["a", "b"], reach.get).peers == ("a",)  # nobody to average with: no averager
     assert averaging_group("a", ["a", "b", "p"]) == AveragingGroup(("a", "b", "p"), False)  # no reachability known
+    # a stage held only behind NAT, with a reducer: every replica, in client mode, and the reducer leads
+    with_reducer = averaging_group("a", ["a", "b"], reach.get, reducer="d")
+    assert with_reducer == AveragingGroup(("a", "b"), client_mode=True, reducer="d") and with_reducer.size == 3
 
 
 def test_resync_copies_from_a_reachable_replica_of_the_majority_or_not_at_all():
