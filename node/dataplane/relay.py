@@ -75,9 +75,13 @@ OVERSIZED = "oversized"
 NO_ROUTE = "no_route"
 WRITE_FAILED = "write_failed"
 STATE_FAILED = "state_failed"
-#: State downloads (:mod:`node.dataplane.state_transfer`) one relay pipes at once. Each carries a whole stage's
-#: weights and optimizer state through the relay's uplink; a NATed joiner or a re-sync needs one now and then.
-MAX_RELAYED_STATE_STREAMS = 2
+#: State streams (:mod:`node.dataplane.state_transfer`) one relay pipes at once. A download carries a whole stage's
+#: weights and optimizer state through the relay's uplink (at the relay's byte rate); a NATed joiner or a re-sync
+#: needs one now and then, plus a sketch stream per other replica to check it.
+MAX_RELAYED_STATE_STREAMS = 4
+#: Of those, per requester: a download and the next request (a sketch) that may open before the relay has seen
+#: the download's stream end.
+MAX_RELAYED_STATE_STREAMS_PER_PEER = 2
 #: Bytes a client may send on a piped state stream: its request (a few dozen bytes) and nothing more.
 MAX_RELAYED_REQUEST_BYTES = 64 * 1024
 #: Seconds a piped state stream may last: a 1 GiB stage state at the relay's rate takes about 40 s; the
@@ -180,7 +184,7 @@ class RelayServer:
         self.circuits_opened = 0
         self.refused: collections.Counter = collections.Counter()
         self._state_slots = asyncio.Semaphore(MAX_RELAYED_STATE_STREAMS)
-        self._state_clients: set = set()  # one piped state stream per client at a time
+        self._state_clients: collections.Counter = collections.Counter()  # piped state streams per client
         self.relayed_states = 0  # state streams piped (opened to their target)
         self.run_id = run_id
         self._started = False
@@ -301,11 +305,12 @@ class RelayServer:
         self._tasks.add(task)
         try:
             refusal = (NOT_RELAY if not self.enabled() else NOT_MEMBER if not self._allowed(client)
-                       else TOO_MANY_CIRCUITS if self._state_slots.locked() or client in self._state_clients else None)
+                       else TOO_MANY_CIRCUITS if self._state_slots.locked()
+                       or self._state_clients[client] >= MAX_RELAYED_STATE_STREAMS_PER_PEER else None)
             if refusal is not None:
                 self._refuse(client, refusal)
                 return
-            self._state_clients.add(client)
+            self._state_clients[client] += 1
             registered = True
             async with self._state_slots:
                 head = await asyncio.wait_for(read_frame(reader, MAX_PEER_FRAME_BYTES), RELAY_WRITE_TIMEOUT_S)
@@ -330,7 +335,9 @@ class RelayServer:
         finally:
             self._tasks.discard(task)
             if registered:
-                self._state_clients.discard(client)
+                self._state_clients[client] -= 1
+                if self._state_clients[client] <= 0:
+                    del self._state_clients[client]
             writer.close()
             if target_writer is not None:
                 target_writer.close()
