@@ -4,7 +4,8 @@ Real hivemind averagers on real DHTs (loopback), built by :func:`node.train.buil
 replica's reachability: the public replica P as a normal peer, the NATed A and B (each unreachable to the
 other) in client mode, so the all-reduce needs no connection into A or B (a client-mode averager serves
 no all-reduce part at all). All three must come out with the same weighted mean; a stage of only NATed
-replicas gets no averager (nobody to wait for).
+replicas gets no averager (nobody to wait for) unless a reducer serves it: then both average in client mode
+through the reducer's auxiliary averager, which contributes nothing to the mean.
 """
 
 import asyncio
@@ -76,5 +77,45 @@ async def test_natted_replicas_average_through_the_public_one_in_client_mode():
             assert len(set(a.last_group)) == len(set(b.last_group)) == 3  # one group of all three, through P
         finally:
             for x in built.values():
+                if x is not None:
+                    await loop.run_in_executor(None, x.shutdown)
+
+
+async def test_natted_replicas_of_a_stage_nobody_can_dial_average_through_an_auxiliary_reducer():
+    """Stage 1 held only by NATed A and B; R (dialable, another stage) reduces for them (node.train.reducer)."""
+    from node.train.averaging import StageAverager, averager_prefix
+
+    reaches = {"A": {"B": False, "R": True}, "B": {"A": False, "R": True}}
+    loop = asyncio.get_running_loop()
+    async with dhts(3) as (dr, da, db):
+        built, reducer, serving = {}, None, None
+        try:
+            for name, dht in (("A", da), ("B", db)):
+                cfg, epochs, runtime = _inputs(name, ["A", "B"])
+                built[name] = await rebuild_averager(None, dht, runtime, cfg, epochs, reaches[name].get, reducer="R")
+            a, b = built["A"], built["B"]
+            assert (a._avg.client_mode, b._avg.client_mode) == (True, True) and a.group_size == 3
+            assert not a.cfg.prepare_early  # the reducer would start its all-reduce before the gradients exist
+            reducer = StageAverager(dr, [torch.zeros(3)], prefix=averager_prefix("natavg", 1, 1), group_size=3,
+                                    cfg=QUICK, auxiliary=True, replicas=("A", "B"), reducer="R")
+            await reducer.start()
+
+            async def serve():
+                while not await reducer.assist():
+                    pass
+
+            serving = asyncio.create_task(serve())
+            ta, tb = [torch.full((3,), 4.0)], [torch.full((3,), 7.0)]
+            ok = await asyncio.gather(a.average(ta, weight=1.0), b.average(tb, weight=2.0))
+            assert ok == [True, True]
+            mean = (4.0 + 2 * 7.0) / 3  # the reducer contributes nothing
+            for t in (ta, tb):
+                assert torch.allclose(t[0], torch.full((3,), mean)), (ta, tb)
+            await asyncio.wait_for(serving, 30)
+            assert len(set(a.last_group)) == len(set(reducer.last_group)) == 3
+        finally:
+            if serving is not None:
+                serving.cancel()
+            for x in [*built.values(), reducer]:
                 if x is not None:
                     await loop.run_in_executor(None, x.shutdown)
