@@ -104,9 +104,8 @@ class RunAgreement:
                 seen, since = number, time.monotonic()
             joining = epoch is not None and int(epoch.start_iteration) > 0
             if epoch is not None and me in epoch.members and (joining or len(epoch.members) >= self.min_members):
-                # a run in progress announced its boundary already; waiting would only make us late. The debounce
-                # waits for nodes still arriving: when every live peer in the view is a member, none is
-                if joining or time.monotonic() - since >= self.debounce_s or self._nobody_else_seen(epoch):
+                # a run in progress announced its boundary already; waiting would only make us late
+                if joining or time.monotonic() - since >= self.debounce_s:
                     return epoch
             elif epoch is not None:
                 if (me not in epoch.members and int(epoch.start_iteration) > 0
@@ -122,14 +121,6 @@ class RunAgreement:
             else:
                 self.waiting = "no schedule epoch yet"
             await asyncio.sleep(self.poll_s)
-
-    def _nobody_else_seen(self, epoch) -> bool:
-        """Every live peer of the host's view is a member of ``epoch`` (False without a view)."""
-        view = getattr(self.host, "view", None)
-        if view is None:
-            return False
-        members = set(epoch.members)
-        return all(entry.peer_id in members for entry in view.alive())
 
     async def confirm(self, epoch, start: int) -> None:
         """Publish this node's pin, then wait until every member confirmed the same one.
