@@ -29,7 +29,7 @@ NATTED = (2, 3)
 #: Long enough that the joiner, started as soon as the others are up (a tiny iteration takes about 0.8 s
 #: here), still finds iterations left after its start-up (dial-back, admission proof through the relay) and
 #: the coordinator's join lead.
-ITERATIONS = 60
+ITERATIONS = 80
 #: Rounds a NATed replica may miss on a loaded box (a late groupmate; a round at the joiner's epoch switch);
 #: a replica that missed one may re-sync (through the relay) from the others. Without a reducer it misses all.
 MAX_MISSED_ROUNDS = 3
