@@ -31,6 +31,26 @@ def pull_stages(maddrs: Sequence[str], timeout_s: float = PULL_TIMEOUT_S):
     return asyncio.run(_pull(list(maddrs), timeout_s))
 
 
+#: Tries of each RPC to the ``--peer`` node: a busy node has closed an RPC stream unanswered (seen under a full
+#: test suite's load), and a second ask a second later was answered.
+PEER_RPC_TRIES = 3
+
+
+async def _ask_peer(p2p, peer, maddr: str, method: str, params: dict):
+    """``method`` on the ``--peer`` node, asked up to :data:`PEER_RPC_TRIES` times unless it refuses; one error line."""
+    import asyncio
+
+    from node.net.rpc import RpcCallError, call_p2p
+
+    for attempt in range(1, PEER_RPC_TRIES + 1):
+        try:
+            return await call_p2p(p2p, peer, method, params, timeout=30)
+        except RpcCallError as e:
+            if attempt == PEER_RPC_TRIES or "access denied" in str(e):
+                raise UserError(f"{maddr}: {e}") from None
+            await asyncio.sleep(1.0)
+
+
 async def _pull(maddrs: List[str], timeout_s: float):
     import node.compat  # noqa: F401
     from hivemind.p2p import P2P, PeerID
@@ -40,7 +60,6 @@ async def _pull(maddrs: List[str], timeout_s: float):
     from node.dataplane.state_codec import ExpectedState
     from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
     from node.eval.omission import LoadedModel
-    from node.net.rpc import RpcCallError, call_p2p
     from node.train.model import ModelConfig, build_stage
 
     try:
@@ -52,11 +71,8 @@ async def _pull(maddrs: List[str], timeout_s: float):
     except P2PDaemonError:
         raise UserError(f"cannot reach {maddrs[0]}") from None
     try:
-        try:
-            training = await call_p2p(p2p, peer, "training", {"limit": 1}, timeout=30)
-            swarm = await call_p2p(p2p, peer, "swarm", {}, timeout=30)
-        except RpcCallError as e:
-            raise UserError(f"{maddrs[0]}: {e}") from None
+        training = await _ask_peer(p2p, peer, maddrs[0], "training", {"limit": 1})
+        swarm = await _ask_peer(p2p, peer, maddrs[0], "swarm", {})
         if not isinstance(training, dict) or "model" not in training:
             raise UserError(f"{maddrs[0]} does not train (no --train) or runs an older version: nothing to export")
         try:
