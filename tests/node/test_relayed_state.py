@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -30,24 +29,11 @@ from node.net.framing import read_frame, write_frame
 from node.net.identity import load_or_create_identity
 from node.net.records import StateClaimRecord, sign_records, write_state_claim
 from node.swarm.adverts import make_record_validators
+from tests.node.test_signed_records import SharedDHT
 from tests.node.test_state_verification import ITERATION, RUN, STAGE, _receiver_expects, _same_weights, _trained_state
 
 pytestmark = pytest.mark.timeout(120)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-
-
-class _SharedDHT:
-    """The few DHT calls state claims make, over one dict every party shares (each signs its own records)."""
-
-    def __init__(self, data: dict):
-        self.data = data
-
-    async def store(self, key, value, expiration_time, subkey, return_future=True):
-        self.data.setdefault(key, {})[subkey] = SimpleNamespace(value=value, expiration_time=expiration_time)
-        return True
-
-    async def get(self, key, latest=True, return_future=True):
-        return SimpleNamespace(value=dict(self.data[key])) if key in self.data else None
 
 
 async def _connect(p2p: P2P, other: P2P) -> None:
@@ -65,7 +51,7 @@ def _run(tmp_path, relay_kind: str, use_dht: bool = True):
     ids = [load_or_create_identity(tmp_path / f"id{i}.key") for i in range(3)]  # holder, relay, receiver
     dhts = []
     for identity in ids:
-        dht = _SharedDHT(data)
+        dht = SharedDHT(data)
         sign_records(dht, make_record_validators(identity.private_key)[0].local_public_key, SwarmAccess())
         dhts.append(dht)
 
