@@ -39,6 +39,7 @@ from node.train.precision import loss_scales_agree
 from node.train.resync import (TIE_EVERY_ITERATIONS, ResyncAction, ResyncDecision, reachable_source, resync_decision,
                                within_tie_bound)
 from node.train.runtime import clip_coefficient
+from node.train.relay_link import reaches_or_relayed
 from node.train.timing import emulated_allreduce_s
 from node.train.screening import AveragingScreen, robust_squared_norm
 
@@ -407,7 +408,7 @@ class IterationCommit:
     def _resync_decision(self, records: Mapping[str, NormRecord], mine: float) -> ResyncDecision:
         decision = reachable_source(resync_decision(self._trusted_checksums(records), mine, self.epochs.stage,
                                                     self.peer_id, self.cfg.resync_tolerance),
-                                     lambda p: self.health.reaches(p) or bool(self.via and self.via(p)))
+                                     reaches_or_relayed(self.health.reaches, self.via))
         if decision.action is ResyncAction.FOLLOW or decision.action is ResyncAction.TIE:
             self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g; %s); re-syncing",
                              self.epochs.stage, decision.source[-8:], mine, records[decision.source].checksum,

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence
 
 from node.train.common import NodeLog
 from node.dataplane.probe import stage_sketch
-from node.train.relay_link import state_route
+from node.train.relay_link import reaches_or_relayed, state_route
 
 __all__ = ["StageAccess", "StageProof", "PROOF_REFRESH_S", "PROOF_MAX_LAG_STEPS", "stage_replicas", "proof_for",
            "held_sketch"]
@@ -111,7 +111,8 @@ class StageProof:
 
     def sources(self, epoch) -> List[str]:
         """The replicas of our stage in ``epoch`` to download from, those we can be connected to first."""
-        return sorted(stage_replicas(epoch, self.stage, exclude=self.peer_id), key=lambda p: not (self._reaches(p) or (self._via is not None and self._via(p))))
+        fetchable = reaches_or_relayed(self._reaches, self._via)
+        return sorted(stage_replicas(epoch, self.stage, exclude=self.peer_id), key=lambda p: not fetchable(p))
 
     async def _keep_fresh(self) -> None:
         while True:

@@ -15,7 +15,7 @@ from node.dataplane.transport import MAX_FRAME_BYTES
 from protocol.messages import Reachability
 from scheduler.reachability import LinkKind, choose_relays, link_kind
 
-__all__ = ["relay_of", "reachability_of", "state_via", "state_route"]
+__all__ = ["relay_of", "reachability_of", "state_via", "state_route", "reaches_or_relayed"]
 
 
 def relay_of(host, allow: Optional[Callable[[str], bool]]) -> Optional[Relay]:
@@ -72,3 +72,9 @@ def state_route(host) -> Optional[Callable[[str], Optional[str]]]:
     data plane on ``host`` would pick for each peer; None for a host without a view."""
     relay = relay_of(host, getattr(host, "is_peer_allowed", None))
     return relay.route if relay is not None else None
+
+
+def reaches_or_relayed(reaches: Callable[[str], bool], via: Optional[Callable[[str], Optional[str]]]
+                       ) -> Callable[[str], bool]:
+    """Whether a peer's state can be fetched: a direct connection can exist (``reaches``), or ``via`` names a relay."""
+    return lambda peer: bool(reaches(peer) or (via is not None and via(peer)))

@@ -14,6 +14,7 @@ from typing import Awaitable, Callable, Optional
 from node.dataplane.state_codec import ExpectedState, encode_state, weights_digest, weights_sketch
 from node.train.checkpoint import CheckpointDiskFull, CheckpointStore, check_run_config
 from node.train.common import JoinFailed, NodeLog
+from node.train.relay_link import reaches_or_relayed
 
 
 def checkpoint_run_config(cfg) -> dict:
@@ -113,7 +114,8 @@ class StageState:
         peers = sorted((p for p in self.epochs.replicas(self.epochs.stage) if p != self.peer_id),
                        key=lambda p: (not (self.health.is_alive(p) and self.health.reaches(p)), p))
         if self.via is not None:  # then those behind NAT like us, through a relay
-            peers.sort(key=lambda p: not (self.health.is_alive(p) and (self.health.reaches(p) or self.via(p))))
+            fetchable = reaches_or_relayed(self.health.reaches, self.via)
+            peers.sort(key=lambda p: not (self.health.is_alive(p) and fetchable(p)))
         self.joining = True
         try:
             await self._download(start, have_checkpoint, peers, expected)
