@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, List, Optional
 
 from node.compat import import_hivemind
-from node.dataplane.state_transfer import relayed_state_handler_name, state_relay_handler_name
+from node.dataplane.state_transfer import encode_relayed_origin, relayed_state_handler_name, state_relay_handler_name
 from node.dataplane.transport import OFF_LOOP_BYTES, REJECT_LOG_EVERY, SEND_RETRIES, _write_frame
 
 __all__ = ["RelayMode", "serves_relay", "relay_handler_name", "encode_peer", "decode_peer", "RelayServer",
@@ -87,6 +87,9 @@ MAX_RELAYED_REQUEST_BYTES = 64 * 1024
 #: Seconds a piped state stream may last: a 1 GiB stage state at the relay's rate takes about 40 s; the
 #: stage's own server and client time out sooner, so this only ends streams neither side closes.
 RELAYED_STATE_TIMEOUT_S = 600.0
+#: Seconds the relay's vouch for a requester may take: admission's challenge (5 s) with room for its DHT reads;
+#: after that the target applies the stranger's rate, which only slows a candidate's proof.
+RELAY_VOUCH_TIMEOUT_S = 10.0
 
 
 class RelayMode(enum.Enum):
@@ -165,12 +168,15 @@ class RelayServer:
     def __init__(self, p2p, run_id: str, allow: Optional[Callable[[str], bool]], max_frame_bytes: int,
                  metrics=None, max_circuits: int = MAX_RELAY_CIRCUITS,
                  max_circuits_per_peer: int = MAX_CIRCUITS_PER_PEER, bytes_per_s: float = RELAY_BYTES_PER_S,
-                 enabled: Callable[[], bool] = lambda: True):
+                 enabled: Callable[[], bool] = lambda: True,
+                 vouch: Optional[Callable[[str], Awaitable[bool]]] = None):
         """``allow(peer)``: the swarm's access check (members only in a private swarm), for both ends of every
         frame; ``max_frame_bytes``: the data plane's frame cap; ``metrics``: a NodeMetrics (relayed bytes and
         circuits are counted); ``enabled()``: whether this node relays now (``--relay auto`` follows the
-        node's reachability, which it may learn or re-learn while it runs), checked per new circuit."""
-        self.enabled = enabled
+        node's reachability, which it may learn or re-learn while it runs), checked per new circuit; ``vouch(peer)``:
+        whether this node's admission vouches for a non-member requesting state (told to the target,
+        :func:`~node.dataplane.state_transfer.encode_relayed_origin`; None: it vouches for nobody)."""
+        self.enabled, self.vouch = enabled, vouch
         self.p2p, self.name, self.allow, self.metrics = p2p, relay_handler_name(run_id), allow, metrics
         self.max_frame_bytes, self.max_circuits, self.max_circuits_per_peer = max_frame_bytes, max_circuits, max_circuits_per_peer
         self.bytes_per_s = float(bytes_per_s)
@@ -322,7 +328,8 @@ class RelayServer:
                 _, target_reader, target_writer = await asyncio.wait_for(
                     self.p2p.call_binary_stream_handler(peer_id, relayed_state_handler_name(self.run_id)),
                     RELAY_WRITE_TIMEOUT_S)
-                await _write_frame(target_writer, [encode_peer(client)], *_frame_format())  # whom we pipe for
+                vouched = await self._vouches(client)
+                await _write_frame(target_writer, [encode_relayed_origin(client, vouched)], *_frame_format())
                 self.relayed_states += 1
                 if self.metrics is not None and hasattr(self.metrics, "count_relayed_state"):
                     self.metrics.count_relayed_state()
@@ -341,6 +348,19 @@ class RelayServer:
             writer.close()
             if target_writer is not None:
                 target_writer.close()
+
+    async def _vouches(self, client: str) -> bool:
+        """Whether this node's admission vouches for ``client`` (a challenge it answered, cached by admission);
+        any failure is a no."""
+        if self.vouch is None:
+            return False
+        try:
+            return bool(await asyncio.wait_for(self.vouch(client), RELAY_VOUCH_TIMEOUT_S))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - no vouch: the target applies the stranger's rate
+            logger.debug("no vouch for %s: %r", client[-8:], e)
+            return False
 
     async def _pipe(self, reader, writer, target_reader, target_writer) -> None:
         """Client -> target (at most :data:`MAX_RELAYED_REQUEST_BYTES`) and target -> client (paced like frames,

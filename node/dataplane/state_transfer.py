@@ -65,14 +65,16 @@ from node.net.records import read_state_claims
 
 __all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_verified_state", "fetch_sketches",
            "StateTransferError", "StateDisputed", "state_handler_name", "state_relay_handler_name",
-           "relayed_state_handler_name", "Via"]
+           "relayed_state_handler_name", "Via",
+           "encode_relayed_origin", "decode_relayed_origin"]
 
 logger = logging.getLogger(__name__)
 
 #: Largest request frame we read (a request is a few dozen bytes).
 MAX_REQUEST_BYTES = 4096
-#: Largest peer-id frame of a relayed request (a base58 libp2p peer id is 46-53 characters).
-MAX_PEER_ID_BYTES = 128
+#: Largest origin frame of a relayed request (:func:`encode_relayed_origin`: a base58 libp2p peer id of 46-53
+#: characters and a flag, about 80 bytes packed).
+MAX_ORIGIN_BYTES = 256
 #: Seconds a caller has to send its whole request.
 REQUEST_TIMEOUT_S = 30.0
 #: Largest answer header a client reads.
@@ -116,9 +118,29 @@ def state_relay_handler_name(run_id: str) -> str:
 
 
 def relayed_state_handler_name(run_id: str) -> str:
-    """A state server's handler for requests a relay pipes to it: the relay's first frame names the peer it
-    pipes for (authenticated by the relay's own libp2p stream), whom the server then treats as the requester."""
-    return f"skippipe/{run_id}/state-relayed/1"
+    """A state server's handler for requests a relay pipes to it: the relay's first frame
+    (:func:`encode_relayed_origin`) names the peer it pipes for, whom the server then treats as the requester."""
+    return f"skippipe/{run_id}/state-relayed/2"
+
+
+def encode_relayed_origin(peer_id: str, vouched: bool) -> bytes:
+    """The relay's first frame to a target: the requester, and whether the relay's own admission vouches for it.
+
+    Why the relay vouches: a candidate is served at its candidates' rate once admission vouches for it, and
+    vouching means challenging it, which needs a connection to it. A target that nobody can dial, serving a
+    requester that nobody can dial either, can never open one; the relay can (the requester dialled it). The
+    target already takes a member relay's word for who the requester is, so it takes its vouch too."""
+    return msgpack.packb({"origin": peer_id, "vouched": bool(vouched)})
+
+
+def decode_relayed_origin(data: bytes) -> Tuple[str, bool]:
+    """``(peer id, vouched)`` of an origin frame; ValueError when it is not one."""
+    msg = msgpack.unpackb(data, raw=False)
+    if not isinstance(msg, dict) or not isinstance(msg.get("origin"), str) or not isinstance(msg.get("vouched"), bool):
+        raise ValueError("not an origin frame")
+    if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,64}", msg["origin"]):
+        raise ValueError("origin is not a peer id")
+    return msg["origin"], msg["vouched"]
 
 
 def state_handler_name(run_id: str) -> str:
@@ -199,14 +221,16 @@ class StateServer:
                 self._refuse(relay, "a relay that is no member")
                 writer.close()
                 return
-            origin = (await read_frame(reader, MAX_PEER_ID_BYTES, REQUEST_TIMEOUT_S)).decode("ascii")
-        except (FrameTooLarge, asyncio.TimeoutError, asyncio.IncompleteReadError, UnicodeDecodeError) as e:
+            origin, vouched = decode_relayed_origin(await read_frame(reader, MAX_ORIGIN_BYTES, REQUEST_TIMEOUT_S))
+        except Exception as e:  # noqa: BLE001 - a frame too large, late, cut or not an origin: refused alike
             self._refuse(relay, f"relayed request without its origin: {e!r}")
             writer.close()
             return
-        await self._serve(origin, reader, writer)
+        await self._serve(origin, reader, writer, relay_vouched=vouched)
 
-    async def _serve(self, sender: str, reader, writer) -> None:
+    async def _serve(self, sender: str, reader, writer, relay_vouched: bool = False) -> None:
+        """Answer one request of ``sender``; ``relay_vouched``: the member relay that piped it vouches for the
+        sender (:func:`encode_relayed_origin`), so it counts as vouched without a challenge from here."""
         try:
             if self._allow is not None and not self._allow(sender):
                 self._refuse(sender, "peer not allowed")
@@ -224,7 +248,7 @@ class StateServer:
                 if claim_nonce is not None and (not isinstance(claim_nonce, bytes) or len(claim_nonce) != NONCE_BYTES):
                     raise ValueError("bad claim nonce")
                 if candidate and nonce is None:
-                    vouched = self._vouch is None or await self._vouch(sender)
+                    vouched = relay_vouched or await self._vouched(sender)
                     await self._serve_candidate(sender, writer, args,
                                                 CANDIDATE_FETCH_EVERY_S if vouched else OUTSIDER_FETCH_EVERY_S)
                     return
@@ -256,6 +280,18 @@ class StateServer:
             self._refuse(sender, f"malformed request: {e!r}")
         finally:
             writer.close()
+
+    async def _vouched(self, sender: str) -> bool:
+        """Whether admission vouches for ``sender`` (no admission: everyone); a vouch that fails is a no."""
+        if self._vouch is None:
+            return True
+        try:
+            return bool(await self._vouch(sender))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the stranger's rate still serves it
+            logger.debug("no vouch for %s: %r", sender[-8:], e)
+            return False
 
     async def _serve_candidate(self, sender: str, writer, args: tuple, every_s: float) -> None:
         """A snapshot for a non-member (``args`` for the snapshot callback), within the non-members' own slot and

@@ -41,7 +41,8 @@ def relay_of(host, allow: Optional[Callable[[str], bool]]) -> Optional[Relay]:
                          behind_nat=lambda: own() == Reachability.OUTBOUND_ONLY.value, allow=allow,
                          max_frame_bytes=MAX_FRAME_BYTES)
     server = (RelayServer(host.p2p, host.config.run_id, allow, MAX_FRAME_BYTES, metrics=host.metrics,
-                          enabled=lambda: serves_relay(mode, own())) if mode is not RelayMode.OFF else None)
+                          enabled=lambda: serves_relay(mode, own()), vouch=getattr(allow, "vouch", None))
+              if mode is not RelayMode.OFF else None)
     return Relay(client, server)
 
 

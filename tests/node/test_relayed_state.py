@@ -22,8 +22,9 @@ from multiaddr import Multiaddr
 
 from node.dataplane.relay import NO_ROUTE, RelayServer
 from node.dataplane.state_codec import encode_state, weights_digest, weights_sketch
-from node.dataplane.state_transfer import (StateServer, StateSnapshot, StateTransferError, fetch_state,
-                                           fetch_verified_state, state_relay_handler_name)
+from node.dataplane.state_transfer import (StateServer, StateSnapshot, StateTransferError, decode_relayed_origin,
+                                           encode_relayed_origin, fetch_state, fetch_verified_state,
+                                           state_relay_handler_name)
 from node.net.access import SwarmAccess
 from node.net.framing import read_frame, write_frame
 from node.net.identity import load_or_create_identity
@@ -43,8 +44,9 @@ async def _connect(p2p: P2P, other: P2P) -> None:
 
 def _run(tmp_path, relay_kind: str, use_dht: bool = True):
     """The receiver fetches the holder's state through a relay of ``relay_kind`` ("honest", "forging",
-    "closed": its access rule refuses the holder, or "candidate": the holder counts the receiver as no member,
-    and the receiver asks twice). Returns (snapshot or the error, relay server or None)."""
+    "closed": its access rule refuses the holder, "candidate": the holder counts the receiver as no member and
+    cannot vouch for it (no connection to it can exist), and the receiver asks twice, or "vouching": the same,
+    but the relay vouches for the receiver). Returns (snapshot or the error, relay server or None)."""
     honest = _trained_state()
     zeros = {**honest, "model": {k: torch.zeros_like(v) for k, v in honest["model"].items()}}
     data: dict = {}
@@ -88,13 +90,22 @@ def _run(tmp_path, relay_kind: str, use_dht: bool = True):
                 hosts.append(await P2P.create(host_maddrs=LOCAL, identity_path=str(tmp_path / f"id{i}.key")))
             holder, relay, receiver = hosts
             holder_id, receiver_id = holder.peer_id.to_base58(), receiver.peer_id.to_base58()
-            member = (lambda p: p != receiver_id) if relay_kind == "candidate" else None
-            await StateServer(holder, RUN, snapshot, sketch=sketch, member=member).start()
+            candidate = relay_kind in ("candidate", "vouching")
+            member = (lambda p: p != receiver_id) if candidate else None
+
+            async def cannot_challenge(peer):
+                raise ConnectionError("no connection to a NATed peer can exist")
+
+            async def vouches(peer):
+                return peer == receiver_id
+
+            await StateServer(holder, RUN, snapshot, sketch=sketch, member=member,
+                              vouch=cannot_challenge if candidate else None).start()
             if relay_kind == "forging":
                 await relay.add_binary_stream_handler(state_relay_handler_name(RUN), forge)
             else:
                 allow = (lambda p: p != holder_id) if relay_kind == "closed" else None
-                server = RelayServer(relay, RUN, allow, 1 << 16)
+                server = RelayServer(relay, RUN, allow, 1 << 16, vouch=vouches if relay_kind == "vouching" else None)
                 await server.start()
             await _connect(holder, relay)  # the holder dialled out to its relay, as a NATed node does
             await _connect(receiver, relay)
@@ -103,7 +114,7 @@ def _run(tmp_path, relay_kind: str, use_dht: bool = True):
                 snap, verdict = await fetch_verified_state(
                     receiver, RUN, [holder_id], STAGE, ITERATION, expected=_receiver_expects(),
                     dht=dhts[2] if use_dht else None, via=lambda peer: relay_id)
-                if relay_kind == "candidate":  # a second download at once: a candidate's rate, relay or not
+                if candidate:  # a second download at once: a candidate's rate, relay or not
                     await fetch_state(receiver, RUN, [holder_id], STAGE, ITERATION, max_state_bytes=1 << 24,
                                       via=lambda peer: relay_id)
                 return (snap, honest), server
@@ -144,5 +155,21 @@ def test_a_relay_pipes_state_only_to_peers_its_access_rule_admits(tmp_path):
 
 def test_a_candidate_stays_a_candidate_through_a_relay(tmp_path):
     error, server = _run(tmp_path, "candidate")
-    assert isinstance(error, StateTransferError) and "one state download per" in str(error), error
+    # nobody vouched: a stranger's rate (the holder's own challenge cannot reach the receiver)
+    assert isinstance(error, StateTransferError) and "one state download per 30 s" in str(error), error
     assert server.relayed_states == 2  # served once, refused the second time
+
+
+def test_a_relay_vouches_for_a_candidate_its_target_cannot_challenge(tmp_path):
+    error, server = _run(tmp_path, "vouching")
+    assert isinstance(error, StateTransferError) and "one state download per 2 s" in str(error), error
+    assert server.relayed_states == 2
+
+
+@pytest.mark.parametrize("frame", [b"", b"\x00" * 300, msgpack.packb(["Qm" + "a" * 44, True]),
+                                   msgpack.packb({"origin": "not/a/peer", "vouched": True}),
+                                   msgpack.packb({"origin": "Qm" + "a" * 44, "vouched": 1})])
+def test_an_origin_frame_that_is_not_one_is_refused(frame):
+    with pytest.raises(Exception):
+        decode_relayed_origin(frame)
+    assert decode_relayed_origin(encode_relayed_origin("Qm" + "a" * 44, True)) == ("Qm" + "a" * 44, True)
