@@ -217,13 +217,13 @@ class Daemon:
     async def ensure_connected(self, peer_id: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
         """Make p2pd connect to ``peer_id`` through the maddrs of its advert.
 
-        Uses hivemind's p2pd client directly (``P2P._client``; hivemind is pinned at 1.1.12),
-        because ``P2P`` has no public connect. Returns False if unknown or unreachable.
+        Uses hivemind's p2pd client directly (``P2P._client``: ``P2P`` has no public connect). A peer already
+        connected counts without an advert in our view (p2pd's connect returns at once). False: unreachable.
         """
-        entry = self.view.get(peer_id) if self.view is not None else None
-        if entry is None or self.p2p is None:
+        if self.p2p is None:
             return False
-        addrs = [Multiaddr(m.split("/p2p/")[0]) for m in entry.advert.maddrs]
+        entry = self.view.get(peer_id) if self.view is not None else None
+        addrs = [Multiaddr(m.split("/p2p/")[0]) for m in entry.advert.maddrs] if entry is not None else []
         try:
             await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addrs), timeout)
             return True
