@@ -200,7 +200,7 @@ class IterationCommit:
                 runtime.step()
             self.progress.state_iteration = it
 
-        resynced = None if decision.source is None else await self._resync(decision, it)
+        resynced = None if decision.source is None else await self._resync(decision, it, own_round_failed=not mine.avg_group)
         if resynced is None:
             await self.compute(step)
         n_mb = sum(r.n_mb for r in records.values())
@@ -315,11 +315,9 @@ class IterationCommit:
     async def norm_records(self, it: int) -> Optional[Dict[str, NormRecord]]:
         """Iteration ``it``'s norm records of the members (peer id -> record), read from the DHT;
         None when the read found nothing (a miss under load is not "nobody published")."""
-        records = await read_norm_records(self.dht, self.cfg.run_id, it, members=set(self.epochs.members))
-        if records is None:
-            return None
         members = set(self.epochs.members)
-        return {p: r for p, r in records.items() if p in members}
+        records = await read_norm_records(self.dht, self.cfg.run_id, it, members=members)
+        return None if records is None else {p: r for p, r in records.items() if p in members}
 
     async def _exchange_norms(self, it: int, record: NormRecord) -> Dict[str, NormRecord]:
         """Send our record for iteration ``it`` to every member, store it in the DHT, and collect
@@ -406,8 +404,9 @@ class IterationCommit:
         return {p: (r.stage, r.checksum) for p, r in records.items() if p == self.peer_id or self.health.trusted(p)}
 
     def _resync_decision(self, records: Mapping[str, NormRecord], mine: float) -> ResyncDecision:
+        not_averaged = {p for p, r in records.items() if r.stage == self.epochs.stage and not r.avg_group}  # own gradient
         decision = reachable_source(resync_decision(self._trusted_checksums(records), mine, self.epochs.stage,
-                                                    self.peer_id, self.cfg.resync_tolerance),
+                                                    self.peer_id, self.cfg.resync_tolerance, not_averaged),
                                      reaches_or_relayed(self.health.reaches, self.via))
         if decision.action is ResyncAction.FOLLOW or decision.action is ResyncAction.TIE:
             self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g; %s); re-syncing",
@@ -425,14 +424,15 @@ class IterationCommit:
         if self.resyncs_refused % REFUSED_LOG_EVERY == 1:
             self.log.warning(msg + " (%d refused so far)", *args, self.resyncs_refused)
 
-    async def _resync(self, decision: ResyncDecision, it: int) -> Optional[bool]:
+    async def _resync(self, decision: ResyncDecision, it: int, own_round_failed: bool = False) -> Optional[bool]:
         """Take the state of the stage's majority (or, under a tie, the other replica's) right after its
         step of ``it`` instead of stepping ourselves: True when loaded, False when no replica handed it over
-        (we stepped on our own), None when a tie's state is refused (the caller steps as usual)."""
+        (we stepped on our own), None when a tie's state is refused (the caller steps as usual).
+        ``own_round_failed``: we know why we differ, so a tie copy needs no wait (:mod:`node.train.resync`)."""
         from node.dataplane.state_transfer import StateTransferError, fetch_verified_state
         tie = decision.action is ResyncAction.TIE
         if tie:
-            if it - self._last_tie_try < TIE_EVERY_ITERATIONS and not self._skipped_steps:
+            if it - self._last_tie_try < TIE_EVERY_ITERATIONS and not self._skipped_steps and not own_round_failed:
                 self._refuse_resync("not copying replica %s: a tie was last tried at iteration %d (at most once per "
                                     "%d iterations unless we skipped a step); keeping our own state", decision.source[-8:],
                                     self._last_tie_try, TIE_EVERY_ITERATIONS)

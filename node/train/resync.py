@@ -21,6 +21,11 @@ do (:func:`resync_decision`):
   it keeps its own.
   A liar with the lower id can thus move an honest replica by a few steps' worth now and then, never
   hand it arbitrary weights.
+  When exactly one of the two says (its norm record) that its averaging round of this iteration failed, the
+  cause is known: an all-reduce whose results did not all come back (a stage averaging through a reducer,
+  behind NAT, meets this on a loaded uplink) leaves the replica that failed on its local gradient while the
+  other stepped on the mean. So the replica whose round failed copies the other, whatever the ids, at once
+  (its own observation, no peer's word: the same bounds as above, without the wait), and the other keeps.
 
 A replica whose own parameters are not finite follows the largest finite group (its own state is of
 no use to anyone).
@@ -31,7 +36,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Callable, List, Mapping, Optional, Tuple
 
 __all__ = ["ResyncAction", "ResyncDecision", "resync_decision", "reachable_source", "within_tie_bound", "TIE_MAX_LR_STEPS",
            "TIE_LR_STEPS_PER_SKIP", "TIE_EVERY_ITERATIONS"]
@@ -87,9 +92,10 @@ def _groups(checksums: Mapping[str, float], tolerance: float) -> List[List[str]]
 
 
 def resync_decision(replicas: Mapping[str, Tuple[int, float]], mine: float, stage: int, me: str,
-                    tolerance: float) -> ResyncDecision:
+                    tolerance: float, not_averaged: AbstractSet[str] = frozenset()) -> ResyncDecision:
     """The rule of the module docstring for replica ``me`` of ``stage`` holding checksum ``mine``;
-    ``replicas``: peer -> (stage, checksum) of the members it trusts (other stages are ignored)."""
+    ``replicas``: peer -> (stage, checksum) of the members it trusts (other stages are ignored);
+    ``not_averaged``: the replicas (``me`` included) whose averaging round of this iteration failed."""
     checksums = {p: c for p, (s, c) in replicas.items() if s == stage and p != me and math.isfinite(c)}
     own_finite = math.isfinite(mine)
     if own_finite:
@@ -106,6 +112,10 @@ def resync_decision(replicas: Mapping[str, Tuple[int, float]], mine: float, stag
         return ResyncDecision(ResyncAction.FOLLOW, top[0], tuple(top), why)
     if n == 2:
         other = next(p for p in checksums if p != me)
+        if (me in not_averaged) != (other in not_averaged):
+            if me in not_averaged:
+                return ResyncDecision(ResyncAction.TIE, other, (other,), "our averaging round failed, theirs did not")
+            return ResyncDecision(ResyncAction.KEEP, why="two replicas disagree; the other one's averaging round failed")
         if other < me:
             return ResyncDecision(ResyncAction.TIE, other, (other,), "two replicas disagree, no third opinion")
         return ResyncDecision(ResyncAction.KEEP, why="two replicas disagree; the other one sorts later")

@@ -16,9 +16,9 @@ def _node(peer_id: str, stage: int = 1):
     ``_resync_source`` names whom it downloads from (None: it keeps its own state)."""
     tolerance = TrainerConfig().resync_tolerance
 
-    def decide(records, mine):
+    def decide(records, mine, not_averaged=frozenset()):
         replicas = {p: (r["stage"], r["checksum"]) for p, r in records.items()}
-        return resync_decision(replicas, mine, stage, peer_id, tolerance)
+        return resync_decision(replicas, mine, stage, peer_id, tolerance, not_averaged)
 
     return types.SimpleNamespace(_resync_source=lambda records, mine: decide(records, mine).source, decide=decide)
 
@@ -44,6 +44,22 @@ def test_two_replicas_that_disagree_tie_and_only_the_later_id_may_copy_within_bo
     decision = _node("b").decide(records, 10.0)
     assert decision.action is ResyncAction.TIE and decision.source == "a"
     assert _node("a").decide(records, 99.0).action is ResyncAction.KEEP
+
+
+def test_of_two_replicas_the_one_whose_averaging_round_failed_copies_the_other():
+    """A round whose results did not all come back leaves the replica that failed on its own gradient and the
+    other on the mean: the one that failed copies, whichever id sorts first; when both failed, the ids decide."""
+    records = {"a": {"stage": 1, "checksum": 99.0}, "b": {"stage": 1, "checksum": 10.0},
+               "d": {"stage": 0, "checksum": 1.0}}
+    a_failed = _node("a").decide(records, 99.0, {"a", "d"})
+    assert a_failed.action is ResyncAction.TIE and a_failed.source == "b", a_failed
+    assert _node("b").decide(records, 10.0, {"a", "d"}).action is ResyncAction.KEEP
+    both = _node("b").decide(records, 10.0, {"a", "b"})
+    assert both.action is ResyncAction.TIE and both.source == "a"
+    assert _node("a").decide(records, 99.0, {"a", "b"}).action is ResyncAction.KEEP
+    # three replicas: the majority rule alone decides
+    three = dict(records, c={"stage": 1, "checksum": 10.0})
+    assert _node("a").decide(three, 99.0, {"b", "c"}).action is ResyncAction.FOLLOW
 
 
 def test_resync_follows_the_majority_not_the_lowest_peer_id():
@@ -139,6 +155,10 @@ async def test_a_tie_with_a_liar_with_the_lower_id_keeps_our_weights(monkeypatch
     commit._skipped_steps = 1
     assert await commit._resync(tie, 12 + TIE_EVERY_ITERATIONS) is True and commit.resyncs == 2
     assert commit._skipped_steps == 0
+    # one whose own averaging round failed knows why it differs: it copies at once, within the usual bound
+    served[0] = {**full, "model": {k: v + 2 * cfg.optim.lr for k, v in runtime.module.state_dict().items()}}
+    assert await commit._resync(tie, 13 + TIE_EVERY_ITERATIONS) is None  # too soon, our round went fine
+    assert await commit._resync(tie, 14 + TIE_EVERY_ITERATIONS, own_round_failed=True) is True and commit.resyncs == 3
 
 
 def test_last_bit_noise_of_an_allreduce_is_not_a_divergence():
