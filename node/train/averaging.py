@@ -11,10 +11,10 @@ weight 0 so the others are not left waiting.
 Pitfalls handled here (see docs/training.md): the averager must be constructed and started on the
 main thread (``run_in_background`` calls ``signal.signal``) and it sets SIGINT to SIG_IGN in our
 process, so the previous handler is restored; its blocking calls run in an executor. A peer killed
-mid-all-reduce can leave the survivors with slightly different values: :meth:`average` reports
-such rounds as failed when hivemind notices, and :func:`node.train.runtime.StageRuntime.checksum`
-is compared across replicas every iteration, and a diverged replica copies the canonical one's
-state (:class:`node.train.commit.IterationCommit`).
+mid-all-reduce would leave the survivors with slightly different values: a round whose results did not
+all come back fails (:func:`whole_round_averager`), and
+:func:`node.train.runtime.StageRuntime.checksum` is compared across replicas every iteration, and a
+diverged replica copies the canonical one's state (:class:`node.train.commit.IterationCommit`).
 
 Matchmaking (DHT declarations and join requests among the replicas) costs seconds, several times
 the all-reduce of a small stage. :meth:`StageAverager.prepare` starts it when the iteration starts,
@@ -191,6 +191,44 @@ def averaging_group(me: str, replicas: Sequence[str], reaches: Optional[Callable
     return AveragingGroup(group, client_mode=len(group) < len(set(replicas) | {me}))
 
 
+_WHOLE_ROUND_AVERAGER = None
+
+
+def whole_round_averager():
+    """hivemind's ``DecentralizedAverager``, except that a round whose results did not all come back fails.
+
+    Why: when a peer that reduces a part of the all-reduce fails mid-round, hivemind keeps this peer's own
+    values for that part, logs "Averaging: received N% results" and reports the round as a success. Replicas
+    of one stage then step on different gradients while both record an averaged round (measured behind NAT:
+    a client whose reducer's stream broke diverged from its stage-mate by about one learning-rate step, and
+    the stage's replicas then disagreed about its state, so no joiner could take it). A failed round is
+    handled (the next window, or the local gradient and a re-sync by :mod:`node.train.resync`); a silently
+    partial one is not."""
+    global _WHOLE_ROUND_AVERAGER
+    if _WHOLE_ROUND_AVERAGER is None:
+        hivemind = import_hivemind()
+        from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+
+        class WholeRoundAverager(hivemind.DecentralizedAverager):
+            @classmethod
+            def _get_handle_name(cls, namespace, method_name):
+                # hivemind names its protocols after the class: keep the base's, so that every averager meets
+                return hivemind.DecentralizedAverager._get_handle_name(namespace, method_name)
+
+            async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+                await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+                runner = self._running_groups[group_info.group_id if group_id is None else group_id].result()
+                if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+                    return
+                parts = runner.tensor_part_container
+                if parts.failed_size:
+                    raise AllreduceException(f"only {parts.total_size - parts.failed_size} of {parts.total_size} "
+                                             "averaged values came back")
+
+        _WHOLE_ROUND_AVERAGER = WholeRoundAverager
+    return _WHOLE_ROUND_AVERAGER
+
+
 def averager_prefix(run_id: str, stage: int, epoch: int) -> str:
     """DHT prefix of one averaging group; hivemind forbids '.' in it."""
     safe_run = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)
@@ -207,11 +245,10 @@ class StageAverager:
         stage's reducer, see :meth:`assist`). ``replicas``/``reducer``: the group it was built for."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("DecentralizedAverager must be created on the main thread")
-        hivemind = import_hivemind()
         self.prefix, self.group_size, self.cfg = prefix, group_size, cfg
         self.replicas, self.reducer = tuple(replicas), reducer
         self.allreduce_timeout_s = allreduce_timeout_for(sum(t.numel() * 4 for t in like), cfg)
-        self._avg = hivemind.DecentralizedAverager(
+        self._avg = whole_round_averager()(
             averaged_tensors=[torch.zeros_like(t, device="cpu") for t in like],
             dht=dht,
             start=False,

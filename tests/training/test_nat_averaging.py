@@ -11,6 +11,7 @@ through the reducer's auxiliary averager, which contributes nothing to the mean.
 import asyncio
 import contextlib
 from types import SimpleNamespace
+from typing import AsyncIterator
 
 import pytest
 import torch
@@ -113,6 +114,68 @@ async def test_natted_replicas_of_a_stage_nobody_can_dial_average_through_an_aux
                 assert torch.allclose(t[0], torch.full((3,), mean)), (ta, tb)
             await asyncio.wait_for(serving, 30)
             assert len(set(a.last_group)) == len(set(reducer.last_group)) == 3
+        finally:
+            if serving is not None:
+                serving.cancel()
+            for x in [*built.values(), reducer]:
+                if x is not None:
+                    await loop.run_in_executor(None, x.shutdown)
+
+
+async def test_a_round_whose_results_did_not_all_come_back_fails_instead_of_keeping_local_parts(monkeypatch):
+    """hivemind keeps a peer's own values for the parts whose reducer failed mid-round and calls the round a
+    success; two replicas then step on different gradients. Here the reducer R sends A only the first of its
+    averaged parts (B gets them all): A's round must fail, its gradient stay its own, and B hold the mean."""
+    import node.train.averaging as averaging
+    from node.train.averaging import StageAverager, averager_prefix
+
+    import_hivemind()
+    from hivemind.proto import averaging_pb2
+    size = 400_000  # float32: 1.6 MB, several all-reduce parts
+    reaches = {"A": {"B": False, "R": True}, "B": {"A": False, "R": True}}
+    loop = asyncio.get_running_loop()
+    async with dhts(3) as (dr, da, db):
+        victim = da.peer_id.to_base58()
+
+        class CutShort(averaging.whole_round_averager()):
+            """A reducer whose answers to A stop after the first part (a stream that broke on the way)."""
+
+            async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                         context) -> AsyncIterator[averaging_pb2.AveragingData]:
+                sent = 0
+                async for msg in super().rpc_aggregate_part(stream, context):
+                    if context.remote_id.to_base58() == victim and sent >= 1:
+                        continue
+                    sent += 1
+                    yield msg
+
+        built, reducer, serving = {}, None, None
+        try:
+            for name, dht in (("A", da), ("B", db)):
+                cfg, epochs, runtime = _inputs(name, ["A", "B"])
+                runtime.grads = lambda: [torch.zeros(size)]
+                built[name] = await rebuild_averager(None, dht, runtime, cfg, epochs, reaches[name].get, reducer="R")
+            a, b = built["A"], built["B"]
+            with monkeypatch.context() as patch:
+                patch.setattr(averaging, "whole_round_averager", lambda: CutShort)
+                reducer = StageAverager(dr, [torch.zeros(size)], prefix=averager_prefix("natavg", 1, 1), group_size=3,
+                                        cfg=QUICK, auxiliary=True, replicas=("A", "B"), reducer="R")
+            await reducer.start()
+
+            async def serve():
+                while True:
+                    await reducer.assist()
+
+            serving = asyncio.create_task(serve())
+            ta, tb = [torch.full((size,), 4.0)], [torch.full((size,), 7.0)]
+
+            async def gone_on():  # B's record would name the round: A gives up after its failed window
+                return True
+
+            ok = await asyncio.gather(a.average(ta, weight=1.0, abandon_when=gone_on), b.average(tb, weight=2.0))
+            assert ok == [False, True], (ok, ta[0][:3], ta[0][-3:])
+            assert torch.equal(ta[0], torch.full((size,), 4.0))  # not half averaged: its own gradient
+            assert torch.allclose(tb[0], torch.full((size,), (4.0 + 2 * 7.0) / 3))
         finally:
             if serving is not None:
                 serving.cancel()
