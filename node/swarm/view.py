@@ -176,13 +176,16 @@ class SwarmView:
     def get(self, peer_id: str) -> PeerEntry | None:
         return self.peers.get(peer_id)
 
+    def reachability_of(self, peer_id: str) -> str:
+        """``peer_id``'s advertised reachability; ``unknown`` for a peer we know nothing of."""
+        entry = self.peers.get(peer_id)
+        return entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
+
     def reaches(self, own: str, peer_id: str) -> bool:
         """Whether a node of reachability ``own`` and ``peer_id`` can be connected at all (directly or
         through a relay; :func:`scheduler.reachability.link_kind`). A peer we know nothing of counts as
         reachable, as an ``unknown`` reachability does."""
-        entry = self.peers.get(peer_id)
-        theirs = entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
-        return link_kind(own, theirs) is not LinkKind.IMPOSSIBLE
+        return link_kind(own, self.reachability_of(peer_id)) is not LinkKind.IMPOSSIBLE
 
     def by_gossip_id(self, gossip_id: str) -> PeerEntry | None:
         for entry in self.peers.values():

@@ -11,8 +11,6 @@ from node.swarm.coordinator import Coordinator, epoch_membership
 from node.swarm.membership import MembershipParts
 from node.swarm.rpc_api import DaemonRpcApi, RpcSources
 from node.dataplane.relay import serves_relay
-from protocol.messages import Reachability
-from scheduler.reachability import LinkKind, link_kind
 
 if TYPE_CHECKING:
     from node.swarm.host import SwarmHost
@@ -77,9 +75,7 @@ async def _stage_sketch(daemon: "SwarmHost", stage: int, nonce: bytes):
 
 def can_connect(daemon: "SwarmHost", peer_id: str) -> bool:
     """Can a connection between this node and ``peer_id`` exist, by what both adverts say (unknown: yes)?"""
-    entry = daemon.view.get(peer_id) if daemon.view is not None else None
-    theirs = entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
-    return link_kind(daemon.reachability.value, theirs) is not LinkKind.IMPOSSIBLE
+    return daemon.view is None or daemon.view.reaches(daemon.reachability.value, peer_id)
 
 
 def rpc_api_of(daemon: "SwarmHost") -> DaemonRpcApi:

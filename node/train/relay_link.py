@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 from node.dataplane.relay import RELAYS_PER_CLIENT, Relay, RelayClient, RelayMode, RelayServer, serves_relay
 from node.dataplane.transport import MAX_FRAME_BYTES
 from protocol.messages import Reachability
-from scheduler.reachability import LinkKind, choose_relays, link_kind
+from scheduler.reachability import choose_relays
 
 __all__ = ["relay_of", "reachability_of", "state_via", "state_route", "reaches_or_relayed"]
 
@@ -33,9 +33,7 @@ def relay_of(host, allow: Optional[Callable[[str], bool]]) -> Optional[Relay]:
         return choose_relays(live, str(host.peer_id), RELAYS_PER_CLIENT)
 
     def needs_relay(peer: str) -> bool:
-        entry = host.view.get(peer)
-        theirs = entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
-        return link_kind(own(), theirs) is LinkKind.IMPOSSIBLE
+        return not host.view.reaches(own(), peer)
 
     client = RelayClient(host.p2p, host.config.run_id, relays, needs_relay,
                          behind_nat=lambda: own() == Reachability.OUTBOUND_ONLY.value, allow=allow,
@@ -59,13 +57,7 @@ def reachability_of(host) -> Optional[Callable[[str], str]]:
         return None
     me = str(host.peer_id)
 
-    def of(peer: str) -> str:
-        if peer == me:
-            return host.reachability.value
-        entry = host.view.get(peer)
-        return entry.advert.reachability if entry is not None else Reachability.UNKNOWN.value
-
-    return of
+    return lambda peer: host.reachability.value if peer == me else host.view.reachability_of(peer)
 
 
 def state_route(host) -> Optional[Callable[[str], Optional[str]]]:
