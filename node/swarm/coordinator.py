@@ -60,10 +60,13 @@ logger = logging.getLogger(__name__)
 #: Link assumptions for pairs nobody has measured yet (the scheduler's same-location default).
 DEFAULT_LATENCY_MS = 1.0
 DEFAULT_BANDWIDTH_Bps = 2.0 * 2**30
-#: Seconds of training between announcing an epoch that adds a node and its first iteration: the
-#: joiner's adoption (a gossip hop), its stage build and its state download (seconds on a LAN, tens
-#: on a loaded box or a slow link) fit in it, so the swarm rarely waits for the joiner.
-DEFAULT_JOIN_LEAD_S = 30.0
+#: Seconds of training between announcing an epoch that adds a node and its first iteration. What must fit
+#: in it is the joiner's adoption of the epoch: a gossip hop (measured 0.06-0.1 s, on loopback and behind
+#: NAT on a loaded 2-core box), else its DHT poll at the next heartbeat; the joiner built its stage already
+#: (its admission proof), queues the data plane's messages for its first iteration, and can only download
+#: the state of the iteration before the boundary once the replicas reach it, so a longer lead only delays
+#: every join (it was 30 s: each daemon test's join waited about 40 s for its boundary).
+DEFAULT_JOIN_LEAD_S = 10.0
 #: Seconds of training between announcing an epoch that moves a member to another stage and its first
 #: iteration: the mover's process, network and data plane are up, so it only builds the new stage and
 #: downloads that stage's state (about a second for small stages on a LAN; a few on a loaded box).

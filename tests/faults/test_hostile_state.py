@@ -57,15 +57,16 @@ def test_a_hostile_replica_cannot_run_code_in_or_hand_wrong_weights_to_joiners(t
         swarm.start(timeout=300)
         wait_for(swarm, range(4), lambda s: (s.get("committed_iteration") or -1) >= 2, 600, "training to start")
         a = swarm.add_node(stage=1, timeout=300)
-        wait_for(swarm, [a.index], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1)
-                 >= (s.get("start_iteration") or 0), 600, "joiner A to train")
-        log_a = a.log_path.read_text(errors="replace")
-        source_a = wait_for(swarm, [a.index], lambda s: True, 60, "joiner A's state")[a.index]["state_source"]
+        # B starts as soon as A holds its state (A's proof and join downloads met the pickle), while A's epoch
+        # is still ahead: the two joins overlap instead of taking turns
+        source_a = wait_for(swarm, [a.index], lambda s: s.get("state_source") is not None, 600,
+                            "joiner A's state")[a.index]["state_source"]
         mode.write_text("zeros")
         b = swarm.add_node(stage=1, timeout=300)
-        wait_for(swarm, [b.index], lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1)
-                 >= (s.get("start_iteration") or 0), 600, "joiner B to train")
-        log_b = b.log_path.read_text(errors="replace")
+        trains = lambda s: s.get("state") == "training" and (s.get("committed_iteration") or -1) >= (
+            s.get("start_iteration") or 0)  # noqa: E731
+        wait_for(swarm, [a.index, b.index], trains, 600, "joiners A and B to train")
+        log_a, log_b = (n.log_path.read_text(errors="replace") for n in (a, b))
         # skippipe export --peer, still with the zeros on offer: it must pull the honest weights
         loaded = pull_stages([swarm.nodes[0].maddr])
         after = wait_for(swarm, [0], lambda s: s.get("state") == "training", 60, "the data node")[0]

@@ -7,8 +7,9 @@ so the joiner was told "the run ended ... nothing to train" while iterations wer
 lead is capped at half of what is left: the joiner must train at least one iteration, and the data
 node must still commit every iteration exactly once, in order. No timing assertion: the joiner is
 started when about ``JOIN_LEFT_S`` seconds of training are left (measured from the data node's
-recent iterations), less than the old 30 s lead once its start-up is counted, so the old rule
-would always have sent it away; its start-up only moves where it joins.
+recent iterations), less than a 30 s lead once its start-up is counted, so the old rule with that
+lead would always have sent it away (the lead is 10 s now; the cap itself is unit-tested in
+``tests/node/test_join_rules.py``); its start-up only moves where it joins.
 """
 
 import pytest
