@@ -96,6 +96,7 @@ class IterationCommit:
         self.resyncs_refused = 0
         self._last_tie_try = -TIE_EVERY_ITERATIONS  # iteration of the last download under a tie
         self._skipped_steps = 0  # steps we skipped since then (we know we are behind: a tie copy is due)
+        self._not_averaged: set = set()  # stage-mates (and we) whose round failed since the stage was in sync
         #: iteration -> peer -> the record its direct NormReport carried
         self._reports: Dict[int, Dict[str, NormRecord]] = {}
         self._report_arrived: Optional[asyncio.Event] = None
@@ -179,9 +180,11 @@ class IterationCommit:
         total_sq = verdict.total_sq
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
         t_norm = time.perf_counter()
-        decision = self._resync_decision(records, mine.checksum)
+        decision = self._resync_decision(records, mine.checksum)  # a failed round shows in the next checksums
+        behind = self.peer_id in self._not_averaged
         if decision.action is ResyncAction.KEEP and not decision.why:
-            self._skipped_steps = 0  # in step with the stage's majority again
+            self._skipped_steps, self._not_averaged = 0, set()  # in step with the stage's majority again
+        self._not_averaged |= {p for p, r in records.items() if r.stage == self.epochs.stage and not r.avg_group}
         # a member whose own report was left out steps on nothing (its gradient is the outlier)
         finite = math.isfinite(total_sq) and math.isfinite(mine.sq) and self.peer_id not in verdict.excluded
         # fp16: a member whose loss scale differs from the canonical data node's skips, like on an overflow,
@@ -200,7 +203,7 @@ class IterationCommit:
                 runtime.step()
             self.progress.state_iteration = it
 
-        resynced = None if decision.source is None else await self._resync(decision, it, own_round_failed=not mine.avg_group)
+        resynced = None if decision.source is None else await self._resync(decision, it, own_round_failed=behind)
         if resynced is None:
             await self.compute(step)
         n_mb = sum(r.n_mb for r in records.values())
@@ -224,8 +227,7 @@ class IterationCommit:
 
     # ------------------------------------------------------------------ averaging
     def prepare_averaging(self) -> None:
-        """At the start of an iteration: let the stage's averager find its group while the
-        microbatches run (matchmaking off the critical path; see StageAverager.prepare)."""
+        """At an iteration's start: the averager finds its group while the microbatches run (StageAverager.prepare)."""
         if self.resources.averager is None:
             return
         if len(self._live_replicas()) < 2:
@@ -313,8 +315,7 @@ class IterationCommit:
 
     # ------------------------------------------------------------------ norm exchange
     async def norm_records(self, it: int) -> Optional[Dict[str, NormRecord]]:
-        """Iteration ``it``'s norm records of the members (peer id -> record), read from the DHT;
-        None when the read found nothing (a miss under load is not "nobody published")."""
+        """Iteration ``it``'s norm records of the members from the DHT; None: nothing found (not "nobody published")."""
         members = set(self.epochs.members)
         records = await read_norm_records(self.dht, self.cfg.run_id, it, members=members)
         return None if records is None else {p: r for p, r in records.items() if p in members}
@@ -404,9 +405,8 @@ class IterationCommit:
         return {p: (r.stage, r.checksum) for p, r in records.items() if p == self.peer_id or self.health.trusted(p)}
 
     def _resync_decision(self, records: Mapping[str, NormRecord], mine: float) -> ResyncDecision:
-        not_averaged = {p for p, r in records.items() if r.stage == self.epochs.stage and not r.avg_group}  # own gradient
         decision = reachable_source(resync_decision(self._trusted_checksums(records), mine, self.epochs.stage,
-                                                    self.peer_id, self.cfg.resync_tolerance, not_averaged),
+                                                    self.peer_id, self.cfg.resync_tolerance, self._not_averaged),
                                      reaches_or_relayed(self.health.reaches, self.via))
         if decision.action is ResyncAction.FOLLOW or decision.action is ResyncAction.TIE:
             self.log.warning("stage %d parameters differ from replica %s (checksum %.9g vs %.9g; %s); re-syncing",
@@ -418,8 +418,7 @@ class IterationCommit:
         return decision
 
     def _refuse_resync(self, msg: str, *args) -> None:
-        """Count a refused re-sync; log the first and then one in :data:`REFUSED_LOG_EVERY` (a disagreement
-        that lasts is seen at every iteration)."""
+        """Count a refused re-sync; log the first, then one in :data:`REFUSED_LOG_EVERY` (a lasting disagreement)."""
         self.resyncs_refused += 1
         if self.resyncs_refused % REFUSED_LOG_EVERY == 1:
             self.log.warning(msg + " (%d refused so far)", *args, self.resyncs_refused)

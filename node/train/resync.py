@@ -21,8 +21,8 @@ do (:func:`resync_decision`):
   it keeps its own.
   A liar with the lower id can thus move an honest replica by a few steps' worth now and then, never
   hand it arbitrary weights.
-  When exactly one of the two says (its norm record) that its averaging round of this iteration failed, the
-  cause is known: an all-reduce whose results did not all come back (a stage averaging through a reducer,
+  When exactly one of the two said (its norm records) that an averaging round failed since the two last
+  agreed (a round's failure shows in the checksums of the next iteration), the cause is known: an all-reduce whose results did not all come back (a stage averaging through a reducer,
   behind NAT, meets this on a loaded uplink) leaves the replica that failed on its local gradient while the
   other stepped on the mean. So the replica whose round failed copies the other, whatever the ids, at once
   (its own observation, no peer's word: the same bounds as above, without the wait), and the other keeps.
@@ -95,7 +95,7 @@ def resync_decision(replicas: Mapping[str, Tuple[int, float]], mine: float, stag
                     tolerance: float, not_averaged: AbstractSet[str] = frozenset()) -> ResyncDecision:
     """The rule of the module docstring for replica ``me`` of ``stage`` holding checksum ``mine``;
     ``replicas``: peer -> (stage, checksum) of the members it trusts (other stages are ignored);
-    ``not_averaged``: the replicas (``me`` included) whose averaging round of this iteration failed."""
+    ``not_averaged``: the replicas (``me`` included) whose averaging round failed since the stage last agreed."""
     checksums = {p: c for p, (s, c) in replicas.items() if s == stage and p != me and math.isfinite(c)}
     own_finite = math.isfinite(mine)
     if own_finite:
