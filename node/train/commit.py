@@ -181,7 +181,7 @@ class IterationCommit:
         coef = clip_coefficient(total_sq, self.cfg.optim.clip_norm)
         t_norm = time.perf_counter()
         decision = self._resync_decision(records, mine.checksum)  # a failed round shows in the next checksums
-        behind = self.peer_id in self._not_averaged
+        own_failed = self.peer_id in self._not_averaged
         if decision.action is ResyncAction.KEEP and not decision.why:
             self._skipped_steps, self._not_averaged = 0, set()  # in step with the stage's majority again
         self._not_averaged |= {p for p, r in records.items() if r.stage == self.epochs.stage and not r.avg_group}
@@ -203,7 +203,7 @@ class IterationCommit:
                 runtime.step()
             self.progress.state_iteration = it
 
-        resynced = None if decision.source is None else await self._resync(decision, it, own_round_failed=behind)
+        resynced = None if decision.source is None else await self._resync(decision, it, own_round_failed=own_failed)
         if resynced is None:
             await self.compute(step)
         n_mb = sum(r.n_mb for r in records.values())
