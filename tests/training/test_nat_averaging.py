@@ -53,6 +53,15 @@ async def dhts(n: int):
             await loop.run_in_executor(None, d.shutdown)
 
 
+async def _stop(serving, averagers) -> None:
+    """Cancel the reducer's task and shut every averager down (blocking calls, in an executor)."""
+    if serving is not None:
+        serving.cancel()
+    for x in averagers:
+        if x is not None:
+            await asyncio.get_running_loop().run_in_executor(None, x.shutdown)
+
+
 async def test_natted_replicas_average_through_the_public_one_in_client_mode():
     replicas = ["A", "B", "P"]
     reaches = {"A": {"P": True, "B": False}, "B": {"P": True, "A": False}, "P": {"A": True, "B": True}}
@@ -115,11 +124,7 @@ async def test_natted_replicas_of_a_stage_nobody_can_dial_average_through_an_aux
             await asyncio.wait_for(serving, 30)
             assert len(set(a.last_group)) == len(set(reducer.last_group)) == 3
         finally:
-            if serving is not None:
-                serving.cancel()
-            for x in [*built.values(), reducer]:
-                if x is not None:
-                    await loop.run_in_executor(None, x.shutdown)
+            await _stop(serving, [*built.values(), reducer])
 
 
 async def test_a_round_whose_results_did_not_all_come_back_fails_instead_of_keeping_local_parts(monkeypatch):
@@ -177,8 +182,4 @@ async def test_a_round_whose_results_did_not_all_come_back_fails_instead_of_keep
             assert torch.equal(ta[0], torch.full((size,), 4.0))  # not half averaged: its own gradient
             assert torch.allclose(tb[0], torch.full((size,), (4.0 + 2 * 7.0) / 3))
         finally:
-            if serving is not None:
-                serving.cancel()
-            for x in [*built.values(), reducer]:
-                if x is not None:
-                    await loop.run_in_executor(None, x.shutdown)
+            await _stop(serving, [*built.values(), reducer])
