@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, List, Optional
 
 from node.compat import import_hivemind
-from node.dataplane.state_transfer import encode_relayed_origin, relayed_state_handler_name, state_relay_handler_name
+from node.dataplane.state_transfer import (ask_vouch, encode_relayed_origin, relayed_state_handler_name,
+                                           state_relay_handler_name)
 from node.dataplane.transport import OFF_LOOP_BYTES, REJECT_LOG_EVERY, SEND_RETRIES, _write_frame
 
 __all__ = ["RelayMode", "serves_relay", "relay_handler_name", "encode_peer", "decode_peer", "RelayServer",
@@ -350,17 +351,8 @@ class RelayServer:
                 target_writer.close()
 
     async def _vouches(self, client: str) -> bool:
-        """Whether this node's admission vouches for ``client`` (a challenge it answered, cached by admission);
-        any failure is a no."""
-        if self.vouch is None:
-            return False
-        try:
-            return bool(await asyncio.wait_for(self.vouch(client), RELAY_VOUCH_TIMEOUT_S))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - no vouch: the target applies the stranger's rate
-            logger.debug("no vouch for %s: %r", client[-8:], e)
-            return False
+        """Whether this node's admission vouches for ``client`` (a challenge it answered, cached by admission)."""
+        return self.vouch is not None and await ask_vouch(self.vouch, client, RELAY_VOUCH_TIMEOUT_S)
 
     async def _pipe(self, reader, writer, target_reader, target_writer) -> None:
         """Client -> target (at most :data:`MAX_RELAYED_REQUEST_BYTES`) and target -> client (paced like frames,

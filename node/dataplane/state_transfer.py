@@ -66,7 +66,7 @@ from node.net.records import read_state_claims
 __all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_verified_state", "fetch_sketches",
            "StateTransferError", "StateDisputed", "state_handler_name", "state_relay_handler_name",
            "relayed_state_handler_name", "Via",
-           "encode_relayed_origin", "decode_relayed_origin"]
+           "encode_relayed_origin", "decode_relayed_origin", "ask_vouch"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,18 @@ def encode_relayed_origin(peer_id: str, vouched: bool) -> bytes:
     requester that nobody can dial either, can never open one; the relay can (the requester dialled it). The
     target already takes a member relay's word for who the requester is, so it takes its vouch too."""
     return msgpack.packb({"origin": peer_id, "vouched": bool(vouched)})
+
+
+async def ask_vouch(vouch: Callable[[str], Awaitable[bool]], peer: str, timeout_s: Optional[float] = None) -> bool:
+    """``await vouch(peer)`` within ``timeout_s``; a vouch that fails or times out is a no (the requester is then
+    served at a stranger's rate, never refused for it)."""
+    try:
+        return bool(await asyncio.wait_for(vouch(peer), timeout_s))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no vouch
+        logger.debug("no vouch for %s: %r", peer[-8:], e)
+        return False
 
 
 def decode_relayed_origin(data: bytes) -> Tuple[str, bool]:
@@ -282,16 +294,8 @@ class StateServer:
             writer.close()
 
     async def _vouched(self, sender: str) -> bool:
-        """Whether admission vouches for ``sender`` (no admission: everyone); a vouch that fails is a no."""
-        if self._vouch is None:
-            return True
-        try:
-            return bool(await self._vouch(sender))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the stranger's rate still serves it
-            logger.debug("no vouch for %s: %r", sender[-8:], e)
-            return False
+        """Whether admission vouches for ``sender`` (no admission: everyone)."""
+        return self._vouch is None or await ask_vouch(self._vouch, sender)
 
     async def _serve_candidate(self, sender: str, writer, args: tuple, every_s: float) -> None:
         """A snapshot for a non-member (``args`` for the snapshot callback), within the non-members' own slot and

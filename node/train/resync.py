@@ -22,8 +22,9 @@ do (:func:`resync_decision`):
   A liar with the lower id can thus move an honest replica by a few steps' worth now and then, never
   hand it arbitrary weights.
   When exactly one of the two said (its norm records) that an averaging round failed since the two last
-  agreed (a round's failure shows in the checksums of the next iteration), the cause is known: an all-reduce whose results did not all come back (a stage averaging through a reducer,
-  behind NAT, meets this on a loaded uplink) leaves the replica that failed on its local gradient while the
+  agreed (a round's failure shows in the checksums of the next iteration), the cause is known: an
+  all-reduce whose results did not all come back (a stage averaging through a reducer, behind NAT,
+  meets this on a loaded uplink) leaves the replica that failed on its local gradient while the
   other stepped on the mean. So the replica whose round failed copies the other, whatever the ids, at once
   (its own observation, no peer's word: the same bounds as above, without the wait), and the other keeps.
 
