@@ -17,6 +17,12 @@ The idle clock alone is not enough: a woken trainer does commit its old iteratio
 window or so (each waits out an averaging round its groupmates left long ago), so while the swarm went
 on for a dozen iterations without it, it would crawl through them all, never idle for long, before it
 reached the epoch's start and left.
+
+A *paused* trainer (a stage of its epoch has no live replica in its view) trains up to no boundary at
+all, so "in step" does not protect it: woken just before the boundary of the epoch that dropped it, it
+finds its old stage-mates silent (they no longer answer a non-member's probes), pauses for want of
+them and would wait there for ever. Paused, it leaves once the idle clock runs out, however near the
+boundary is.
 """
 
 from __future__ import annotations
@@ -43,16 +49,22 @@ SWITCH_AHEAD_ITERATIONS = 2
 FAR_BEHIND_ITERATIONS = 4
 
 
-def stale_reason(epoch, peer_id: str, trainer_epoch: int, current_iteration: int, idle_s: float) -> Optional[str]:
-    """Why a trainer at ``current_iteration`` of epoch ``trainer_epoch``, idle for ``idle_s`` seconds,
-    is out of step with the host's adopted ``epoch``; None when it is not."""
+def stale_reason(epoch, peer_id: str, trainer_epoch: int, current_iteration: int, idle_s: float,
+                 paused: bool = False) -> Optional[str]:
+    """Why a trainer at ``current_iteration`` of epoch ``trainer_epoch``, idle for ``idle_s`` seconds
+    (``paused``: waiting for a stage without a live replica), is out of step with the host's adopted
+    ``epoch``; None when it is not."""
     if epoch is None or int(epoch.epoch) <= trainer_epoch or peer_id in epoch.members:
         return None
     start = int(epoch.start_iteration)
     behind = start - (current_iteration + SWITCH_AHEAD_ITERATIONS)
-    if behind <= 0 or (idle_s < STALE_AFTER_S and behind < FAR_BEHIND_ITERATIONS):
+    if paused:
+        if idle_s < STALE_AFTER_S:
+            return None
+    elif behind <= 0 or (idle_s < STALE_AFTER_S and behind < FAR_BEHIND_ITERATIONS):
         return None
-    return (f"out of step: still at iteration {current_iteration} ({idle_s:.0f} s since its last commit), while "
+    state = "paused" if paused else "still"
+    return (f"out of step: {state} at iteration {current_iteration} ({idle_s:.0f} s since its last commit), while "
             f"schedule epoch {epoch.epoch} left this node out from iteration {start}; re-joining with fresh state")
 
 
@@ -84,6 +96,7 @@ async def _wait_until_stale(trainer, adopted: Callable[[], object], peer_id: str
         if trainer.committed_iteration != last:
             last, since = trainer.committed_iteration, now
             continue
-        why = stale_reason(adopted(), peer_id, int(trainer.epoch.epoch), int(trainer.current_iteration), now - since)
+        why = stale_reason(adopted(), peer_id, int(trainer.epoch.epoch), int(trainer.current_iteration), now - since,
+                           paused=trainer.paused_reason is not None)
         if why is not None:
             return why

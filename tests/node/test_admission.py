@@ -322,6 +322,11 @@ def test_a_trainer_out_of_step_leaves_only_when_an_epoch_dropped_it_long_past_wh
     assert stale_reason(near, "a", 1, 182, STALE_AFTER_S + 1)
     assert stale_reason(SimpleNamespace(epoch=3, start_iteration=184, members=("d", "b")), "a", 1, 182,
                         STALE_AFTER_S + 10) is None  # in step: it trains up to the boundary
+    # woken just before the boundary, it paused (its old stage-mates no longer answer it): no boundary is reached
+    assert stale_reason(SimpleNamespace(epoch=3, start_iteration=184, members=("d", "b")), "a", 1, 182,
+                        STALE_AFTER_S + 10, paused=True)
+    assert stale_reason(SimpleNamespace(epoch=3, start_iteration=184, members=("d", "b")), "a", 1, 182,
+                        STALE_AFTER_S - 1, paused=True) is None  # a momentary pause: the idle clock decides
     assert stale_reason(SimpleNamespace(epoch=3, start_iteration=400, members=("d", "a")), "a", 1, 182,
                         STALE_AFTER_S + 10) is None  # an epoch that keeps it
     assert stale_reason(SimpleNamespace(epoch=1, start_iteration=400, members=("d",)), "a", 1, 182,
