@@ -35,7 +35,7 @@ from node.train.epochs import parse_schedule, stage_index
 from node.train.host import TrainerHost
 from node.train.proof import StageAccess, StageProof, held_sketch, proof_for
 from node.train.relay_link import reachability_of, relay_of
-from node.train.staleness import run_unless_stale
+from node.train.staleness import norm_record_reader, run_unless_stale
 
 __all__ = ["TrainerService", "ServiceState", "capped_join_boundary"]
 
@@ -216,7 +216,7 @@ class TrainerService:
         After the last iteration it is the run's end, so an epoch issued then (for a late joiner)
         says the run is over instead of looking like a fresh start (0) that would gather members
         at the start barrier until it timed out."""
-        if self.state in (ServiceState.TRAINING, ServiceState.PAUSED) and self.trainer is not None:
+        if self._trains():
             earliest = self.trainer.switch_iteration(0.0)
             wanted = self.trainer.switch_iteration(lead_s) if lead_s > 0 else earliest
             return capped_join_boundary(earliest, wanted, self.iterations)
@@ -241,9 +241,7 @@ class TrainerService:
     def committed_iteration(self) -> Optional[int]:
         """For admission challenges: the iteration this node's trainer last committed, None while it is
         not training (a joiner still loading its state answers None, a stale trainer its old iteration)."""
-        if self.state in (ServiceState.TRAINING, ServiceState.PAUSED) and self.trainer is not None:
-            return int(self.trainer.committed_iteration)
-        return None
+        return int(self.trainer.committed_iteration) if self._trains() else None
 
     def coordination_blocker(self) -> Optional[str]:
         """Why this daemon must not coordinate now (the coordinator's ``blocker`` hook), or None.
@@ -403,7 +401,8 @@ class TrainerService:
         self.state, self.waiting_reason = ServiceState.TRAINING, None
         self.log.info("training stage %d from iteration %d to %d", self.trainer.stage, self.trainer.current_iteration,
                       self.iterations)
-        await run_unless_stale(self.trainer, self.iterations, lambda: daemon.current_epoch, str(daemon.peer_id))
+        await run_unless_stale(self.trainer, self.iterations, lambda: daemon.current_epoch, str(daemon.peer_id),
+                               norm_record_reader(daemon.dht, self.config.run_id))
         await self.trainer.save_checkpoint()
         self._history_before = list(self.trainer.history)
         if self.trainer.left is not None:

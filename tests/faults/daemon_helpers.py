@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from typing import Callable, Dict, Iterable
@@ -37,6 +38,9 @@ def wait_for(swarm: ProcessSwarm, nodes: Iterable[int], predicate: Callable[[dic
                 states[i] = s
                 assert not fail_on_error or s.get("state") != "error", f"node {i} failed: {s.get('error')}"
         if len(states) == len(want) and all(predicate(states[i]) for i in want):
+            # on stderr: pytest shows it with a failure, so a slow step stands out in CI's output
+            print(f"{time.strftime('%H:%M:%S')} waited {timeout - (deadline - time.monotonic()):.1f} s for {what}",
+                  file=sys.stderr, flush=True)
             return states
         if time.monotonic() > deadline:
             summary = {i: (s.get("state"), s.get("committed_iteration"), s.get("epoch")) for i, s in states.items()}

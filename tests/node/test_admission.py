@@ -452,3 +452,42 @@ async def test_a_silent_member_is_dropped_within_a_bound_that_adverts_cannot_str
             rounds += 1
             admitted_after = rounds if "honest" in a.admitted else None
         assert admitted_after is not None and admitted_after <= math.ceil((fakes + 1) / adm.MAX_CHALLENGES_PER_ROUND) + 1
+
+
+async def test_a_woken_trainer_leaves_once_the_swarm_trained_past_the_epoch_that_left_it_out(monkeypatch):
+    from node.train import staleness
+
+    monkeypatch.setattr(staleness, "POLL_S", 0.01)
+    monkeypatch.setattr(staleness, "PASSED_CHECK_S", 0.0)
+    # woken at iteration 10; the epoch that dropped it starts at 12: "in step" by the epoch alone, and committing
+    trainer = SimpleNamespace(committed_iteration=9, current_iteration=10, epoch=SimpleNamespace(epoch=1),
+                              paused_reason=None)
+    dropped = SimpleNamespace(epoch=2, start_iteration=12, members=("d", "b"))
+    asked = []
+
+    async def swarm_at(last):
+        async def read(it, members):
+            asked.append((it, tuple(members)))
+            return {"d": "a norm record"} if it <= last else None
+        return read
+
+    why = await asyncio.wait_for(staleness._wait_until_stale(trainer, lambda: dropped, "a", await swarm_at(186)), 5)
+    assert "trained iteration 16 without this node" in why, why
+    assert asked[0] == (12 + staleness.FAR_BEHIND_ITERATIONS, ("d", "b"))
+
+    # the swarm is only at the boundary (an in-step member being dropped): it trains up to it
+    asked.clear()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(staleness._wait_until_stale(trainer, lambda: dropped, "a", await swarm_at(13)), 0.3)
+    assert asked, "it never looked"
+    # an epoch that keeps it: nothing is read at all
+    asked.clear()
+    kept = SimpleNamespace(epoch=2, start_iteration=12, members=("d", "a"))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(staleness._wait_until_stale(trainer, lambda: kept, "a", await swarm_at(186)), 0.3)
+    assert asked == []
+
+    async def broken(it, members):
+        raise OSError("the DHT is down")
+
+    assert await staleness.swarm_went_past(broken, dropped, 10) is None  # no verdict, never an error
