@@ -27,7 +27,10 @@ if ! command -v iptables >/dev/null 2>&1; then
         echo "[test setup] no iptables and no root/apt-get: the NAT tests will be skipped"
     fi
 fi
-.venv/bin/python -m pytest -q -ra --durations=25 "$@"
+# Two workers (pytest-xdist): the daemon tests spend most of their time waiting on the swarm's timers
+# (heartbeats, debounces, join boundaries), not on the CPU. Tests of one xdist_group share a worker
+# (the network-namespace labs: one at a time). SKIPPIPE_TEST_WORKERS=0 runs everything in this process.
+.venv/bin/python -m pytest -q -ra --durations=25 -n "${SKIPPIPE_TEST_WORKERS:-2}" --dist loadgroup "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then   # pytest: no tests collected -- not a failure of the code under test
     echo "no tests were collected"

@@ -59,6 +59,7 @@ def _cannot_dial(lab: NatLab, from_host: int, target: tuple[str, int]) -> bool:
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"NAT lab unavailable: {WHY_NOT}")
+@pytest.mark.xdist_group("netns")  # one lab at a time: labs share the host's root namespace
 def test_home_hosts_are_behind_source_nat():
     lab = NatLab(LAB, public=2, homes=(Home(1, NatKind.PLAIN), Home(1, NatKind.STRICT)), subnet=91, rate_mbit=50)
     plain, strict = 2, 3

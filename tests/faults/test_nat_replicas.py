@@ -18,7 +18,7 @@ from node.testing.nat_swarm import HEARTBEAT_S, RATE_MBIT, rpc_in_namespace
 from node.testing.netns import NamespaceSwarm, lab_leftovers
 from tests.faults.daemon_helpers import train_args, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("netns")]
 
 WHY_NOT = nat_unavailable()
 LAB = "spnr"

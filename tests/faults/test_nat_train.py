@@ -29,7 +29,7 @@ from scheduler.reachability import impossible_hops
 from scheduler.schedule import Schedule
 from tests.faults.daemon_helpers import assert_each_step_committed_once, train_args, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_group("netns")]
 
 WHY_NOT = nat_unavailable()
 LAB = "spnt"

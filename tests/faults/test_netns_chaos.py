@@ -17,7 +17,7 @@ from node.net.rpc import call_http
 from node.testing.netns import NamespaceSwarm, NetnsLab, lab_leftovers, netns_unavailable, run_in_netns
 from tests.faults.daemon_helpers import assert_each_step_committed_once, train_args, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("netns")]
 
 WHY_NOT = netns_unavailable()
 LAB = "spnc"
