@@ -55,7 +55,7 @@ def _distance(module, reference, cfg, nonce):
     return sketches_close(stage_sketch(module, nonce, cfg.d_model), stage_sketch(reference, nonce, cfg.d_model))
 
 
-@pytest.mark.parametrize("nonce", [bytes(16), os.urandom(16)])
+@pytest.mark.parametrize("nonce", [bytes(16), os.urandom(16)], ids=["zero-nonce", "random-nonce"])
 def test_the_stage_and_a_joiner_a_few_steps_behind_pass_other_weights_fail(trained, nonce):
     live, behind, cfg = trained
     assert _distance(live, live, cfg, nonce) == (True, 0.0)
