@@ -36,8 +36,8 @@ from protocol.messages import NormReport
 from node.train.averaging import groupmates_went_on
 from node.train.common import DoneFromNorm, IterationState, IterationStats, NodeLog
 from node.train.precision import loss_scales_agree
-from node.train.resync import (TIE_EVERY_ITERATIONS, ResyncAction, ResyncDecision, reachable_source, resync_decision,
-                               within_tie_bound)
+from node.train.resync import (TIE_EVERY_ITERATIONS, ResyncAction, ResyncDecision, not_averaged_after, reachable_source,
+                               resync_decision, within_tie_bound)
 from node.train.runtime import clip_coefficient
 from node.train.relay_link import reaches_or_relayed
 from node.train.timing import emulated_allreduce_s
@@ -182,9 +182,9 @@ class IterationCommit:
         t_norm = time.perf_counter()
         decision = self._resync_decision(records, mine.checksum)  # a failed round shows in the next checksums
         own_failed = self.peer_id in self._not_averaged
-        if decision.action is ResyncAction.KEEP and not decision.why:
-            self._skipped_steps, self._not_averaged = 0, set()  # in step with the stage's majority again
-        self._not_averaged |= {p for p, r in records.items() if r.stage == self.epochs.stage and not r.avg_group}
+        in_sync = decision.action is ResyncAction.KEEP and not decision.why  # in step with the stage's majority again
+        self._skipped_steps = 0 if in_sync else self._skipped_steps
+        self._not_averaged = not_averaged_after(self._not_averaged, records, self.epochs.replicas(self.epochs.stage), in_sync)
         # a member whose own report was left out steps on nothing (its gradient is the outlier)
         finite = math.isfinite(total_sq) and math.isfinite(mine.sq) and self.peer_id not in verdict.excluded
         # fp16: a member whose loss scale differs from the canonical data node's skips, like on an overflow,

@@ -37,10 +37,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Callable, Iterable, List, Mapping, Optional, Tuple
 
 __all__ = ["ResyncAction", "ResyncDecision", "resync_decision", "reachable_source", "within_tie_bound", "TIE_MAX_LR_STEPS",
-           "TIE_LR_STEPS_PER_SKIP", "TIE_EVERY_ITERATIONS"]
+           "TIE_LR_STEPS_PER_SKIP", "TIE_EVERY_ITERATIONS", "not_averaged_after"]
 
 #: Largest per-element difference, in units of the learning rate, between our weights and a tie's
 #: source state that a copy accepts. An Adam step moves an element by about ``lr`` (at most
@@ -122,6 +122,20 @@ def resync_decision(replicas: Mapping[str, Tuple[int, float]], mine: float, stag
         return ResyncDecision(ResyncAction.KEEP, why="two replicas disagree; the other one sorts later")
     sizes = "/".join(str(len(g)) for g in groups)
     return ResyncDecision(ResyncAction.REFUSE, why=f"no majority among {n} replicas (groups of {sizes})")
+
+
+def not_averaged_after(previous: AbstractSet[str], records: Mapping[str, object], mates: Iterable[str],
+                       in_sync: bool) -> set:
+    """The replicas of our stage (``mates``, us included) that did not average since the stage last agreed, after
+    one iteration's norm ``records`` (peer -> record with ``avg_group``, empty when its round failed or was
+    skipped); ``in_sync``: the stage agreed at this iteration, so only this iteration's failures count.
+
+    A mate whose record is missing (our view lost it for that iteration, so we did not wait for its report) counts
+    as not averaged: we cannot know it did. Otherwise the copy rule could act on an asymmetry only we see: our
+    own skipped round against a partner whose failed round we never heard of, while that partner, holding both
+    records, applies the id rule; each would then copy the other and both downloads would time out."""
+    failed = {p for p in mates if p not in records or not getattr(records[p], "avg_group", ())}
+    return failed if in_sync else set(previous) | failed
 
 
 def reachable_source(decision: ResyncDecision, reaches: Callable[[str], bool]) -> ResyncDecision:

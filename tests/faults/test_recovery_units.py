@@ -7,7 +7,7 @@ import torch
 
 from node.train.model import build_stage, model_config
 from node.train.runtime import OptimConfig, StageRuntime
-from node.train.resync import TIE_MAX_LR_STEPS, ResyncAction, resync_decision, within_tie_bound
+from node.train.resync import TIE_MAX_LR_STEPS, ResyncAction, not_averaged_after, resync_decision, within_tie_bound
 from node.train.trainer import TrainerConfig
 
 
@@ -109,6 +109,25 @@ def test_a_tie_copies_only_a_state_a_failed_round_explains():
     assert not within_tie_bound(mine, dict(near, w=torch.full((4, 3), math.nan)), lr)[0]
     assert not within_tie_bound(mine, dict(near, w=torch.ones(3, 4)), lr)[0]
     assert not within_tie_bound(mine, {"w": near["w"]}, lr)[0]
+
+
+def test_a_stage_mate_whose_record_we_lack_counts_as_not_averaged_so_never_both_copy():
+    """A view flap: "a" lost "b" from its view in iteration 1, skipped its round and did not wait for b's record;
+    "b"'s round failed (its partner went on). "b" holds both records, "a" only its own. Both must count both
+    as not averaged, so the id rule decides for both and exactly one copies (with "a" counting only itself,
+    "a" copied by "our round failed" and "b" by the id rule: two downloads that timed out, every iteration)."""
+    failed = types.SimpleNamespace(avg_group=())
+    averaged = types.SimpleNamespace(avg_group=("a", "b"))
+    seen_by_a = not_averaged_after(set(), {"a": failed, "d": averaged}, ["a", "b"], in_sync=True)
+    seen_by_b = not_averaged_after(set(), {"a": failed, "b": failed, "d": averaged}, ["a", "b"], in_sync=True)
+    assert seen_by_a == seen_by_b == {"a", "b"}
+    records = {"a": {"stage": 1, "checksum": 99.0}, "b": {"stage": 1, "checksum": 10.0}}
+    decisions = [_node("a").decide(records, 99.0, seen_by_a), _node("b").decide(records, 10.0, seen_by_b)]
+    assert [d.action for d in decisions] == [ResyncAction.KEEP, ResyncAction.TIE], decisions
+    # out of sync, failures add up until the stage agrees again; then only the new iteration's count
+    assert not_averaged_after({"a"}, {"a": averaged, "b": averaged}, ["a", "b"], in_sync=False) == {"a"}
+    assert not_averaged_after({"a"}, {"a": averaged, "b": averaged}, ["a", "b"], in_sync=True) == set()
+    assert not_averaged_after(set(), {"a": averaged, "b": averaged, "c": failed}, ["a", "b"], in_sync=True) == set()
 
 
 async def test_a_tie_with_a_liar_with_the_lower_id_keeps_our_weights(monkeypatch):
