@@ -26,6 +26,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from multiaddr import Multiaddr
 
 from node.errors import UserError
+from node.net.dht_process import SwarmDHT
 from node.net.p2pd import own_session
 from node.swarm.config import DaemonConfig
 
@@ -153,7 +154,7 @@ async def create_dht(p2p: P2P, cfg: DaemonConfig, record_validators: list, log: 
     make_dht_storage_total_order()
 
     def make() -> DHT:
-        return DHT(
+        return SwarmDHT(
             p2p=p2p,
             initial_peers=list(cfg.initial_peers) or None,
             start=True,
