@@ -42,9 +42,6 @@ class RequestPipe:
         except EOFError as e:
             raise ConnectionError(f"dropped a DHT request whose sender is gone ({e!r})") from None
 
-    def close(self) -> None:
-        self._connection.close()
-
     def fileno(self) -> int:
         return self._connection.fileno()
 
