@@ -134,7 +134,7 @@ def not_averaged_after(previous: AbstractSet[str], records: Mapping[str, object]
     as not averaged: we cannot know it did. Otherwise the copy rule could act on an asymmetry only we see: our
     own skipped round against a partner whose failed round we never heard of, while that partner, holding both
     records, applies the id rule; each would then copy the other and both downloads would time out."""
-    failed = {p for p in mates if p not in records or not getattr(records[p], "avg_group", ())}
+    failed = {p for p in mates if p not in records or not records[p].avg_group}
     return failed if in_sync else set(previous) | failed
 
 

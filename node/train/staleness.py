@@ -38,6 +38,8 @@ import contextlib
 import time
 from typing import Awaitable, Callable, Collection, Optional
 
+from node.net.records import read_norm_records
+
 __all__ = ["FAR_BEHIND_ITERATIONS", "PASSED_CHECK_S", "STALE_AFTER_S", "left_out", "norm_record_reader",
            "run_unless_stale", "stale_reason", "swarm_went_past"]
 
@@ -66,8 +68,6 @@ PASSED_READ_TIMEOUT_S = 10.0
 
 def norm_record_reader(dht, run_id: str) -> RecordReader:
     """The :data:`RecordReader` of run ``run_id``'s norm records in ``dht`` (owner-signed: only members' count)."""
-    from node.net.records import read_norm_records
-
     return lambda it, members: read_norm_records(dht, run_id, it, members=set(members))
 
 
