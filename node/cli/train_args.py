@@ -94,7 +94,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                         "time; doubles on each repeat up to 10x (default 30)")
     g.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="fault injection for rehearsals and tests (repeatable): "
-                        "ACTION@iteration=I[,hop=J][,direction=forward|backward][,microbatch=M][,delay=S][,times=N] "
+                        "ACTION@iteration=I[,hop=J][,direction=forward|backward][,microbatch=M][,attempt=A][,delay=S][,times=N] "
                         "with ACTION drop, delay or kill, e.g. kill@iteration=3,hop=2,direction=backward; or "
                         "corrupt@iteration=I,target=activations|gradients|average|norm,fill=V|scale=V[,times=N] "
                         "to rehearse a bad member")

@@ -30,7 +30,9 @@ A ``diskfull`` rule fills the node's checkpoint disk: the first checkpoint it wr
 checkpoint and leaves the swarm).
 
 Spec syntax (``--inject``, repeatable): ``ACTION@iteration=I[,hop=J][,direction=forward|backward]``
-``[,microbatch=M][,delay=S][,times=N]``, e.g. ``kill@iteration=3,hop=2,direction=backward``;
+``[,microbatch=M][,attempt=A][,delay=S][,times=N]``, e.g. ``kill@iteration=3,hop=2,direction=backward``;
+``attempt=0`` spares recomputations and hedges of the microbatch (which go to other replicas of the
+stage: the same rule on every replica stalls the first attempt wherever the schedule sends it);
 ``corrupt@iteration=I,target=T,fill=V|scale=V[,times=N]``, e.g. ``corrupt@iteration=5,target=norm,fill=nan,times=3``;
 ``diskfull@iteration=I``.
 """
@@ -62,6 +64,7 @@ class FaultRule:
     hop: Optional[int] = None  # None = any hop
     direction: str = "any"
     microbatch: Optional[int] = None  # microbatch index within its data node; None = any
+    attempt: Optional[int] = None  # attempt of that microbatch (0: the first; recomputations, hedges: 1, ...); None = any
     delay_s: float = 5.0
     times: int = 1  # how often the rule fires before it is spent
     target: Optional[str] = None  # corrupt: what is tampered with (TARGETS)
@@ -76,14 +79,16 @@ class FaultRule:
                             f"fill= or scale=: {self}")
         if self.direction not in DIRECTIONS:
             raise UserError(f"fault direction must be one of {', '.join(DIRECTIONS)}, got {self.direction!r}")
-        if self.iteration < 0 or (self.hop is not None and self.hop < 0) or self.delay_s < 0 or self.times < 1:
-            raise UserError(f"fault rule has a negative iteration/hop/delay or times < 1: {self}")
+        if (self.iteration < 0 or (self.hop is not None and self.hop < 0) or (self.attempt is not None and self.attempt < 0)
+                or self.delay_s < 0 or self.times < 1):
+            raise UserError(f"fault rule has a negative iteration/hop/attempt/delay or times < 1: {self}")
 
-    def matches(self, iteration: int, hop: int, direction: str, microbatch: int) -> bool:
+    def matches(self, iteration: int, hop: int, direction: str, microbatch: int, attempt: int = 0) -> bool:
         return (self.times > 0 and self.action not in NOT_AT_HOPS and iteration == self.iteration
                 and (self.hop is None or hop == self.hop)
                 and self.direction in ("any", direction)
-                and (self.microbatch is None or microbatch == self.microbatch))
+                and (self.microbatch is None or microbatch == self.microbatch)
+                and (self.attempt is None or attempt == self.attempt))
 
 
 def parse_fault(spec: str) -> FaultRule:
@@ -97,7 +102,7 @@ def parse_fault(spec: str) -> FaultRule:
         if not eq:
             raise UserError(f"--inject {spec!r}: {part!r} is not key=value")
         fields[key.strip()] = value.strip()
-    known = {"iteration", "hop", "direction", "microbatch", "delay", "times", "target", "fill", "scale"}
+    known = {"iteration", "hop", "direction", "microbatch", "attempt", "delay", "times", "target", "fill", "scale"}
     unknown = set(fields) - known
     if unknown:
         raise UserError(f"--inject {spec!r}: unknown key(s) {sorted(unknown)} (known: {sorted(known)})")
@@ -108,6 +113,7 @@ def parse_fault(spec: str) -> FaultRule:
                          hop=int(fields["hop"]) if "hop" in fields else None,
                          direction=fields.get("direction", "any"),
                          microbatch=int(fields["microbatch"]) if "microbatch" in fields else None,
+                         attempt=int(fields["attempt"]) if "attempt" in fields else None,
                          delay_s=float(fields.get("delay", 5.0)), times=int(fields.get("times", 1)),
                          target=fields.get("target"),
                          fill=float(fields["fill"]) if "fill" in fields else None,
@@ -126,13 +132,13 @@ class FaultInjector:
     def __bool__(self) -> bool:
         return bool(self.rules)
 
-    def take(self, iteration: int, hop: int, direction: str, microbatch: int) -> Optional[FaultRule]:
+    def take(self, iteration: int, hop: int, direction: str, microbatch: int, attempt: int = 0) -> Optional[FaultRule]:
         for rule in self.rules:
-            if rule.matches(iteration, hop, direction, microbatch):
+            if rule.matches(iteration, hop, direction, microbatch, attempt):
                 rule.times -= 1
                 self.fired.append((rule.action, iteration, hop, direction, microbatch))
-                logger.warning("fault injection: %s at iteration %d hop %d (%s) microbatch %d", rule.action,
-                               iteration, hop, direction, microbatch)
+                logger.warning("fault injection: %s at iteration %d hop %d (%s) microbatch %d attempt %d", rule.action,
+                               iteration, hop, direction, microbatch, attempt)
                 return rule
         return None
 

@@ -227,11 +227,11 @@ class MicrobatchPipeline:
         if not self.faults:
             return True
         if fn == self._do_start:
-            index, hop, direction, it = arg[0], 0, "forward", self.progress.current
+            (index, attempt, _), hop, direction, it = arg, 0, "forward", self.progress.current
         else:
-            index, hop, it = arg.mb.index, arg.hop, arg.mb.iteration
+            index, attempt, hop, it = arg.mb.index, arg.mb.attempt, arg.hop, arg.mb.iteration
             direction = "backward" if fn in (self._do_backward,) else "forward"
-        rule = self.faults.take(it, hop, direction, index)
+        rule = self.faults.take(it, hop, direction, index, attempt)
         if rule is None:
             return True
         if rule.action == "delay":
