@@ -284,6 +284,10 @@ class StageAdvert:
     movable: bool = False
     #: The peer relays data-plane frames between members nobody can dial (``--relay``); False from older senders.
     relay: bool = False
+    #: The peer could train an epoch that named it. False while a node whose join found its stage's replicas
+    #: disagreeing waits before it tries again: members stop routing to it and waiting for its norms, also
+    #: those that cannot probe it (both behind NAT), and no coordinator names it; True from older senders.
+    ready: bool = True
 
     def validate(self, options: DecodeOptions) -> None:
         """Known state and reachability, non-negative counts, finite compute speeds (a measured one positive and

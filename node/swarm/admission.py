@@ -54,7 +54,9 @@ timeout. A peer dropped this way is asked again only after a back-off that doubl
 (:data:`DROPPED_RETRY_S`), so a joiner that never manages to train costs the swarm a bounded share
 of its time. A node that knows it cannot train (its join found its stage's replicas disagreeing) answers
 ``ready: false``: it is not admitted, and as a member it is dropped at its next probe, without the wait
-for proof a silent member gets. A member left out at the start barrier because it pinned another run
+for proof a silent member gets. Its advert says the same (``StageAdvert.ready``), for the members that
+cannot probe it (both behind NAT): their trainers stop waiting for its norms at once, not after the norm
+timeout of every iteration until the next epoch. A member left out at the start barrier because it pinned another run
 (:meth:`Admission.leave_out`) is never admitted again by this process.
 
 Not covered: a challenge proves a live daemon behind the identity with the right configuration holding
@@ -251,9 +253,10 @@ class Admission:
         return str(getattr(advert, "config_digest", "")) == self.config_digest
 
     def may_join(self, peer_id: str, advert) -> bool:
-        """May this advert's peer be in an epoch this node issues (as a member it already is, or admitted)?"""
+        """May this advert's peer be in an epoch this node issues (as a member it already is, or admitted)?
+        Not while its advert says it cannot train (``ready``), which reaches even a coordinator that cannot probe it."""
         return (peer_id == self.self_id or peer_id not in self.silent and peer_id not in self.left_out
-                and self.same_config(advert))
+                and self.same_config(advert) and bool(getattr(advert, "ready", True)))
 
     def is_admitted(self, peer_id: str) -> bool:
         return peer_id == self.self_id or peer_id in self.admitted

@@ -250,12 +250,12 @@ class Daemon:
 
     move_stage = move_to_stage  # the trainer's hook: the stage the epoch it trains on gives this node
     def peer_alive(self, peer_id: str) -> bool:
-        """Membership as the view sees it: an unexpired advert that does not say OFFLINE."""
-        if peer_id == self.peer_id:
-            return True
+        """Membership as the view sees it: an unexpired advert saying neither OFFLINE nor that its node cannot
+        train (``ready``: all a node behind NAT learns of a NATed peer it cannot probe), and no silent member."""
         entry = self.view.get(peer_id) if self.view is not None else None
         silent = self.admission is not None and peer_id in self.admission.silent  # live advert, no answers
-        return entry is not None and entry.state != NodeState.OFFLINE and not silent
+        return peer_id == self.peer_id or (entry is not None and entry.state != NodeState.OFFLINE
+                                           and entry.advert.ready and not silent)
 
     def leave_out(self, peer_id: str, reason: str) -> None:
         """Never admit ``peer_id`` into an epoch again (it pinned another run at the start barrier)."""
@@ -297,14 +297,14 @@ class Daemon:
             maddrs=tuple(self.maddrs), gossip_maddrs=tuple(self.gossip_maddrs()), stages=tuple(self.stages),
             state=str(self.state),
             compute_s_per_sample_per_layer=float(self.compute_s_per_sample_per_layer),
-            memory_slots=int(cfg.memory_slots),
-            free_slots=int(cfg.memory_slots),
+            memory_slots=int(cfg.memory_slots), free_slots=int(cfg.memory_slots),
             protocol_version=self.protocol_version,
             rpc_port=self.rpc.http_port,
             location=cfg.location, relay=serves_relay(cfg.relay, self.reachability.value),
             timestamp=time.time(),
             config_digest=self.config_digest, reachability=self.reachability.value, movable=cfg.stages is None,
             measured_compute_s_per_sample_per_layer=measured_compute_of(self.measured_compute, self.log),
+            ready=self.training_ready() if self.training_ready is not None else True,
         )
 
     def gossip_maddrs(self) -> list[str]:

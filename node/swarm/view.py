@@ -76,6 +76,7 @@ class PeerEntry:
             "config_digest": a.config_digest,
             "reachability": a.reachability,
             "relay": a.relay,
+            "ready": a.ready,
             "last_seen": self.last_seen,
             "age_s": round(time.time() - self.last_seen, 3),
             "source": self.source,

@@ -1,4 +1,4 @@
-"""The advert's reachability: read from older senders that lack it, bounded and checked from newer ones."""
+"""The advert's reachability and readiness: read from older senders that lack them, bounded and checked from newer ones."""
 
 import dataclasses
 
@@ -29,3 +29,12 @@ def test_reachability_round_trips_and_rejects_other_values():
     with pytest.raises(MalformedMessage) as raised:
         decode(msgpack.packb(envelope, use_bin_type=True), expect=StageAdvert)
     assert len(str(raised.value)) < 400
+
+
+def test_readiness_round_trips_and_an_older_sender_is_ready():
+    assert decode(encode(dataclasses.replace(ADVERT, ready=False)), expect=StageAdvert).ready is False
+    assert decode(_without("ready", dataclasses.replace(ADVERT, ready=False)), expect=StageAdvert).ready is True
+    envelope = msgpack.unpackb(encode(ADVERT), raw=False)
+    envelope["b"]["ready"] = "yes"
+    with pytest.raises(MalformedMessage):
+        decode(msgpack.packb(envelope, use_bin_type=True), expect=StageAdvert)
