@@ -30,7 +30,6 @@ import asyncio
 import collections
 import enum
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, List, Optional
@@ -39,6 +38,7 @@ from node.compat import import_hivemind
 from node.dataplane.state_transfer import (ask_vouch, encode_relayed_origin, relayed_state_handler_name,
                                            state_relay_handler_name)
 from node.dataplane.transport import OFF_LOOP_BYTES, REJECT_LOG_EVERY, SEND_RETRIES, _write_frame
+from node.net.identity import looks_like_peer_id
 
 __all__ = ["RelayMode", "serves_relay", "relay_handler_name", "encode_peer", "decode_peer", "RelayServer",
            "RelayClient", "Relay", "MAX_RELAY_CIRCUITS", "MAX_CIRCUITS_PER_PEER", "RELAY_BYTES_PER_S",
@@ -66,7 +66,6 @@ MAX_PEER_FRAME_BYTES = 128
 #: Seconds a relay waits for a stream's write to drain before it gives that circuit up: a receiver that
 #: stops reading must not hold the frames of other circuits behind it for long.
 RELAY_WRITE_TIMEOUT_S = 30.0
-_BASE58_PEER = re.compile(rb"[1-9A-HJ-NP-Za-km-z]{16,%d}" % MAX_PEER_FRAME_BYTES)
 #: Relay refusals and drops, by reason (counted in :attr:`RelayServer.refused`).
 NOT_MEMBER = "not_member"
 NOT_RELAY = "not_relay"
@@ -121,7 +120,10 @@ def decode_peer(data: bytes) -> Optional[str]:
     """The peer id in a peer-id frame, or None when it is not a plausible base58 peer id ("" is a hello)."""
     if data == b"":
         return ""
-    return data.decode("ascii") if _BASE58_PEER.fullmatch(data) else None
+    if len(data) > MAX_PEER_FRAME_BYTES or not data.isascii():
+        return None
+    text = data.decode("ascii")
+    return text if looks_like_peer_id(text) else None
 
 
 def _frame_format():

@@ -61,6 +61,7 @@ from node.compat import import_hivemind
 from node.dataplane.state_codec import (MAX_SKETCH_VALUES, ExpectedState, StateCodecError, decode_state,
                                        sketches_agree, weights_digest, weights_sketch)
 from node.net.framing import FrameTooLarge, read_frame, write_frame
+from node.net.identity import looks_like_peer_id
 from node.net.records import read_state_claims
 
 __all__ = ["StateSnapshot", "StateServer", "fetch_state", "fetch_verified_state", "fetch_sketches",
@@ -150,7 +151,7 @@ def decode_relayed_origin(data: bytes) -> Tuple[str, bool]:
     msg = msgpack.unpackb(data, raw=False)
     if not isinstance(msg, dict) or not isinstance(msg.get("origin"), str) or not isinstance(msg.get("vouched"), bool):
         raise ValueError("not an origin frame")
-    if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{32,64}", msg["origin"]):
+    if not looks_like_peer_id(msg["origin"]):
         raise ValueError("origin is not a peer id")
     return msg["origin"], msg["vouched"]
 

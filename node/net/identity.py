@@ -20,6 +20,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from libp2p.crypto.pb import crypto_pb2
 
 from node.errors import UserError
 
-__all__ = [
+__all__ = ["looks_like_peer_id", 
     "NodeIdentity",
     "IdentityLock",
     "load_or_create_identity",
@@ -184,3 +185,14 @@ class IdentityLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+#: A libp2p peer id as text: base58 (no 0, O, I, l) of a multihash, 46 characters for an RSA key's
+#: sha2-256 and 52-53 for an inlined Ed25519 key; the bounds leave room for other key types.
+_PEER_ID_TEXT = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
+
+
+def looks_like_peer_id(text: object) -> bool:
+    """Whether ``text`` (a str from a peer) is shaped like a base58 peer id: checked before it names anyone
+    in a log, a table or a relayed frame (its key is proved elsewhere, by the stream or a signature)."""
+    return isinstance(text, str) and _PEER_ID_TEXT.fullmatch(text) is not None

@@ -31,8 +31,9 @@ NATTED = (2, 3)
 #: the coordinator's join lead.
 ITERATIONS = 110
 #: Rounds a NATed replica may miss on a loaded box (a late groupmate; a round at the joiner's epoch switch);
-#: a replica that missed one may re-sync (through the relay) from the others. Without a reducer it misses all.
-MAX_MISSED_ROUNDS = 3
+#: a replica that missed one may re-sync (through the relay) from the others. Without a reducer it misses all
+#: of them; beside two busy-looping processes the most missed in five runs was 3.
+MAX_MISSED_ROUNDS = 6
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"NAT lab unavailable: {WHY_NOT}")

@@ -22,8 +22,9 @@ def test_peer_frames_are_checked_before_use():
     assert decode_peer(encode_peer(PEER)) == PEER
     assert decode_peer(b"") == ""  # a hello
     for bad in (b"Qm0OIl" * 5, PEER.encode() + b"\n", b"../../etc", "Qmé".encode(), b"1" * (MAX_PEER_FRAME_BYTES + 1),
-                b"\xff" * 40, b"short"):
+                b"\xff" * 40, b"short", b"Qm" + b"a" * 29):
         assert decode_peer(bad) is None, bad
+    assert decode_peer(b"12D3KooW" + b"A" * 44) is not None  # an Ed25519 key's id (52 characters)
 
 
 def test_relay_flag_reaches_the_daemon_config():
