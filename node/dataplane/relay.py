@@ -61,6 +61,12 @@ RELAY_BYTES_PER_S = 25 * 1024 * 1024
 RELAYS_PER_CLIENT = 2
 #: Seconds between a NATed node's checks that its relay streams are open (re-opened when one broke).
 RELAY_REFRESH_S = 2.0
+#: Seconds a relay this node could not open a stream to is passed over for the next one in the order (then
+#: tried again): a member may advertise ``relay`` at addresses nobody can reach (a wrong ``--announce-maddrs``,
+#: ``--relay on`` behind a NAT), and the relay after it must carry the frames meanwhile.
+RELAY_RETRY_S = 30.0
+#: Seconds a NATed node gives the stream to one relay to open: a dial of a dead address can take a minute.
+RELAY_OPEN_TIMEOUT_S = 10.0
 #: Longest peer-id frame: a base58 libp2p peer id is 46-53 characters (RSA and Ed25519 keys).
 MAX_PEER_FRAME_BYTES = 128
 #: Seconds a relay waits for a stream's write to drain before it gives that circuit up: a receiver that
@@ -424,21 +430,32 @@ class RelayClient:
         self._circuits: Dict[str, _Circuit] = {}
         self._readers: Dict[str, asyncio.Task] = {}
         self._opening: Dict[str, asyncio.Lock] = {}
+        self._unreachable: Dict[str, float] = {}  # relay -> monotonic time until which it is passed over
         self._deliver: Optional[Deliver] = None
         self._loop_task: Optional[asyncio.Task] = None
         self.sent_bytes = 0
         self.received_bytes = 0
 
     def chosen(self) -> List[str]:
-        """The relays this node keeps a stream to (and senders pick first)."""
-        return [r for r in self._relays() if self.allow is None or self.allow(r)][:RELAYS_PER_CLIENT]
+        """The relays this node keeps a stream to (and senders pick first): the first in the common order that
+        this node could reach when it last tried (one it could not is passed over for :data:`RELAY_RETRY_S`)."""
+        now = time.monotonic()
+        return [r for r in self._relays() if (self.allow is None or self.allow(r))
+                and self._unreachable.get(r, 0.0) <= now][:RELAYS_PER_CLIENT]
 
     def route(self, peer: str) -> Optional[str]:
-        """The relay a frame to ``peer`` goes through, or None to send it directly."""
+        """The relay a frame to ``peer`` goes through (a chosen one this node holds a stream to first), or None
+        to send it directly."""
         if not self._needs_relay(peer):
             return None
         relays = self.chosen()
-        return relays[0] if relays else None
+        return next((r for r in relays if r in self._circuits), relays[0] if relays else None)
+
+    def _unreachable_now(self, relay: str, error: BaseException) -> None:
+        if self._unreachable.get(relay, 0.0) <= time.monotonic():
+            logger.warning("relay %s cannot be reached (%s); using the next relay for %.0f s", relay[-8:],
+                           str(error).splitlines()[0][:200] if str(error) else type(error).__name__, RELAY_RETRY_S)
+        self._unreachable[relay] = time.monotonic() + RELAY_RETRY_S
 
     def start(self, deliver: Deliver) -> None:
         self._deliver = deliver
@@ -455,16 +472,17 @@ class RelayClient:
     async def _keep_open(self) -> None:
         """Keep a stream open to each chosen relay while this node needs one (only a node nobody can dial
         needs one: its relays then hold a way back to it)."""
-        while True:
+        async def open_one(relay: str) -> None:
             try:
-                if self._behind_nat():
-                    for relay in self.chosen():
-                        if relay not in self._circuits:
-                            await self._open(relay)
+                await asyncio.wait_for(self._open(relay), RELAY_OPEN_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a relay that cannot be reached now is tried again
-                logger.debug("relay stream: %r", e)
+            except Exception as e:  # noqa: BLE001 - passed over for a while; the next one is opened meanwhile
+                self._unreachable_now(relay, e)
+
+        while True:
+            missing = [r for r in (self.chosen() if self._behind_nat() else ()) if r not in self._circuits]
+            await asyncio.gather(*map(open_one, missing))  # at once: a dead relay's dial must not hold the others
             await asyncio.sleep(RELAY_REFRESH_S)
 
     async def _open(self, relay: str) -> _Circuit:
@@ -516,7 +534,13 @@ class RelayClient:
         """Write one data frame for ``target`` to ``relay``; its size. A broken stream is reopened, as the data
         plane reopens a direct one (:data:`SEND_RETRIES`)."""
         for attempt in range(SEND_RETRIES + 1):
-            circuit = self._circuits.get(relay) or await self._open(relay)
+            try:
+                circuit = self._circuits.get(relay) or await asyncio.wait_for(self._open(relay), RELAY_OPEN_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._unreachable_now(relay, e)  # the next frame takes the next relay
+                raise
             try:
                 async with circuit.lock:
                     size = await _write_pair(circuit.writer, target, parts)

@@ -15,6 +15,7 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
+from node.dataplane import relay as relay_module
 from node.dataplane.relay import (BAD_PEER_FRAME, NO_ROUTE, NOT_MEMBER, OVERSIZED, Relay, RelayClient, RelayServer,
                                   relay_handler_name)
 from node.dataplane.transport import DataPlane
@@ -100,4 +101,43 @@ async def test_a_frame_crosses_the_relay_as_its_origins_and_hostile_bytes_are_re
             await plane.close()
         await server.close()
         for p2p in (r, a, b, outsider):
+            await p2p.shutdown()
+
+
+async def test_a_relay_nobody_can_reach_is_passed_over_for_the_next(monkeypatch):
+    """The first relay in the common order advertises itself but cannot be reached (its host is gone, or its
+    addresses are wrong): both NATed members open their streams to the second one and frames cross it."""
+    monkeypatch.setattr(relay_module, "RELAY_OPEN_TIMEOUT_S", 3.0)
+    r, gone = await _host(), await _host()
+    a, b = await _host(r), await _host(r)
+    ids = {name: p.peer_id.to_base58() for name, p in (("r", r), ("gone", gone), ("a", a), ("b", b))}
+    await gone.shutdown()
+    members = {ids["r"], ids["gone"], ids["a"], ids["b"]}
+    allow = members.__contains__
+    server = RelayServer(r, RUN, allow, CAP)
+    got: list = []
+    planes, clients = [], []
+    try:
+        await server.start()
+        for p2p, sink in ((a, None), (b, got)):
+            client = RelayClient(p2p, RUN, relays=lambda: [ids["gone"], ids["r"]],
+                                 needs_relay=lambda peer: peer not in (ids["r"], ids["gone"]),
+                                 behind_nat=lambda: True, allow=allow, max_frame_bytes=CAP)
+            plane = DataPlane(p2p, RUN, (lambda m, s, sink=sink: sink.append((m, s)) if sink is not None else None),
+                              allow=allow, relay=Relay(client))
+            await plane.start()
+            planes.append(plane)
+            clients.append(client)
+        await _until(lambda: server.circuits == 2, "both clients' streams on the second relay")
+        assert all(c.chosen() == [ids["r"]] and c.route(ids["b"]) == ids["r"] for c in clients)
+
+        msg = IterationDone(RUN, 1, 0, ids["a"], {}, 0)
+        await planes[0].send(ids["b"], msg)
+        await _until(lambda: got, "the frame relayed by the second relay")
+        assert got == [(msg, ids["a"])] and server.relayed_frames == 1
+    finally:
+        for plane in planes:
+            await plane.close()
+        await server.close()
+        for p2p in (r, a, b):
             await p2p.shutdown()
