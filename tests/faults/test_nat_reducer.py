@@ -32,8 +32,9 @@ NATTED = (2, 3)
 ITERATIONS = 110
 #: Rounds a NATed replica may miss on a loaded box (a late groupmate; a round at the joiner's epoch switch);
 #: a replica that missed one may re-sync (through the relay) from the others. Without a reducer it misses all
-#: of them; beside two busy-looping processes the most missed in five runs was 3.
-MAX_MISSED_ROUNDS = 6
+#: of them; beside two busy-looping processes the most missed in five runs was 4 (a view flap under load, then
+#: two rounds each replica abandoned while the other copied its state), so a tenth of the run is the bound.
+MAX_MISSED_ROUNDS = ITERATIONS // 10
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"NAT lab unavailable: {WHY_NOT}")
