@@ -65,6 +65,11 @@ RELAY_REFRESH_S = 2.0
 #: tried again): a member may advertise ``relay`` at addresses nobody can reach (a wrong ``--announce-maddrs``,
 #: ``--relay on`` behind a NAT), and the relay after it must carry the frames meanwhile.
 RELAY_RETRY_S = 30.0
+#: ... once every try has failed for this long. Every node must pick the same relays (a frame crosses only a
+#: relay its target holds a stream to), and a relay starting up refuses streams for a few seconds (its data
+#: plane is not serving yet): passed over at its first refusal by some nodes and not by others, it split
+#: the NATed nodes between relays and lost their frames (start-up iterations of 6-19 s in bench/nat.py).
+RELAY_DEAD_AFTER_S = 20.0
 #: Seconds a NATed node gives the stream to one relay to open: a dial of a dead address can take a minute.
 RELAY_OPEN_TIMEOUT_S = 10.0
 #: Longest peer-id frame: a base58 libp2p peer id is 46-53 characters (RSA and Ed25519 keys).
@@ -431,6 +436,7 @@ class RelayClient:
         self._readers: Dict[str, asyncio.Task] = {}
         self._opening: Dict[str, asyncio.Lock] = {}
         self._unreachable: Dict[str, float] = {}  # relay -> monotonic time until which it is passed over
+        self._failing_since: Dict[str, float] = {}  # relay -> first failure of the tries that failed since
         self._deliver: Optional[Deliver] = None
         self._loop_task: Optional[asyncio.Task] = None
         self.sent_bytes = 0
@@ -451,11 +457,19 @@ class RelayClient:
         relays = self.chosen()
         return next((r for r in relays if r in self._circuits), relays[0] if relays else None)
 
-    def _unreachable_now(self, relay: str, error: BaseException) -> None:
-        if self._unreachable.get(relay, 0.0) <= time.monotonic():
-            logger.warning("relay %s cannot be reached (%s); using the next relay for %.0f s", relay[-8:],
-                           str(error).splitlines()[0][:200] if str(error) else type(error).__name__, RELAY_RETRY_S)
-        self._unreachable[relay] = time.monotonic() + RELAY_RETRY_S
+    def _failed(self, relay: str, error: BaseException) -> None:
+        """A stream to ``relay`` did not open: once they have failed for :data:`RELAY_DEAD_AFTER_S`, it is
+        passed over for :data:`RELAY_RETRY_S`."""
+        now = time.monotonic()
+        since = self._failing_since.setdefault(relay, now)
+        if now - since < RELAY_DEAD_AFTER_S or self._unreachable.get(relay, 0.0) > now:
+            logger.debug("relay %s: no stream yet: %r", relay[-8:], error)
+            return
+        level = logging.DEBUG if relay in self._unreachable else logging.WARNING  # one warning per dead relay
+        logger.log(level, "relay %s cannot be reached (%s, for %.0f s); using the next relay, and trying it "
+                   "again every %.0f s", relay[-8:], str(error).splitlines()[0][:200] if str(error) else
+                   type(error).__name__, now - since, RELAY_RETRY_S)
+        self._unreachable[relay] = now + RELAY_RETRY_S
 
     def start(self, deliver: Deliver) -> None:
         self._deliver = deliver
@@ -478,7 +492,7 @@ class RelayClient:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - passed over for a while; the next one is opened meanwhile
-                self._unreachable_now(relay, e)
+                self._failed(relay, e)
 
         while True:
             missing = [r for r in (self.chosen() if self._behind_nat() else ()) if r not in self._circuits]
@@ -495,6 +509,7 @@ class RelayClient:
             _, reader, writer = await self.p2p.call_binary_stream_handler(
                 hivemind.p2p.PeerID.from_base58(relay), self.name)
             circuit = self._circuits[relay] = _Circuit(writer)
+            self._failing_since.pop(relay, None), self._unreachable.pop(relay, None)
             header_len, byteorder = _frame_format()
             async with circuit.lock:  # a hello (an empty peer-id frame): registers us, nothing to forward
                 await _write_frame(writer, [b""], header_len, byteorder)
@@ -539,7 +554,7 @@ class RelayClient:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self._unreachable_now(relay, e)  # the next frame takes the next relay
+                self._failed(relay, e)  # the next frame takes the next relay
                 raise
             try:
                 async with circuit.lock:

@@ -108,6 +108,7 @@ async def test_a_relay_nobody_can_reach_is_passed_over_for_the_next(monkeypatch)
     """The first relay in the common order advertises itself but cannot be reached (its host is gone, or its
     addresses are wrong): both NATed members open their streams to the second one and frames cross it."""
     monkeypatch.setattr(relay_module, "RELAY_OPEN_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(relay_module, "RELAY_DEAD_AFTER_S", 5.0)
     r, gone = await _host(), await _host()
     a, b = await _host(r), await _host(r)
     ids = {name: p.peer_id.to_base58() for name, p in (("r", r), ("gone", gone), ("a", a), ("b", b))}
@@ -129,7 +130,9 @@ async def test_a_relay_nobody_can_reach_is_passed_over_for_the_next(monkeypatch)
             planes.append(plane)
             clients.append(client)
         await _until(lambda: server.circuits == 2, "both clients' streams on the second relay")
-        assert all(c.chosen() == [ids["r"]] and c.route(ids["b"]) == ids["r"] for c in clients)
+        assert all(c.route(ids["b"]) == ids["r"] for c in clients)  # the relay they hold a stream to
+        await _until(lambda: all(c.chosen() == [ids["r"]] for c in clients), "the dead relay passed over")
+        assert all(c.route(ids["b"]) == ids["r"] for c in clients)
 
         msg = IterationDone(RUN, 1, 0, ids["a"], {}, 0)
         await planes[0].send(ids["b"], msg)

@@ -7,7 +7,11 @@ import pytest
 
 from node.cli.node_cmd import add_node_run_arguments, config_from_args
 from node.cli.train_args import add_training_arguments
-from node.dataplane.relay import MAX_PEER_FRAME_BYTES, RelayMode, decode_peer, encode_peer, serves_relay
+from types import SimpleNamespace
+
+from node.dataplane import relay as relay_module
+from node.dataplane.relay import (MAX_PEER_FRAME_BYTES, RelayClient, RelayMode, decode_peer, encode_peer,
+                                  serves_relay)
 
 PEER = "QmPWCauA7pEjDZMvtty3hGWRyjgVcLdhSxMs9yKgWsU3SE"
 
@@ -38,3 +42,25 @@ def test_relay_flag_reaches_the_daemon_config():
     assert config("--relay", "off").relay is RelayMode.OFF and config("--relay", "on").relay is RelayMode.ON
     with pytest.raises(SystemExit):
         config("--relay", "maybe")
+
+
+def test_a_relay_is_passed_over_only_once_it_kept_failing(monkeypatch):
+    """Every NATed node must pick the same relays: one that refuses streams while it starts (for seconds) stays
+    chosen; one that failed every try for RELAY_DEAD_AFTER_S is passed over, then tried again."""
+    now = [100.0]
+    monkeypatch.setattr(relay_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    first, second, third = "Qm" + "a" * 44, "Qm" + "b" * 44, "Qm" + "c" * 44
+    client = RelayClient(None, "run", relays=lambda: [first, second, third], needs_relay=lambda peer: True,
+                         behind_nat=lambda: True, allow=None, max_frame_bytes=1 << 16)
+    assert client.chosen() == [first, second] and client.route("x") == first
+    client._failed(first, ConnectionError("handler not registered yet"))
+    now[0] += relay_module.RELAY_DEAD_AFTER_S - 1
+    client._failed(first, ConnectionError("handler not registered yet"))
+    assert client.chosen() == [first, second]  # failing for a few seconds: still everyone's first relay
+    now[0] += 1
+    client._failed(first, ConnectionError("no route to host"))
+    assert client.chosen() == [second, third] and client.route("x") == second
+    now[0] += relay_module.RELAY_RETRY_S
+    assert client.chosen() == [first, second]  # tried again
+    client._failed(first, ConnectionError("no route to host"))
+    assert client.chosen() == [second, third]  # still dead: passed over at once
