@@ -67,8 +67,8 @@ RELAY_REFRESH_S = 2.0
 RELAY_RETRY_S = 30.0
 #: ... once every try has failed for this long. Every node must pick the same relays (a frame crosses only a
 #: relay its target holds a stream to), and a relay starting up refuses streams for a few seconds (its data
-#: plane is not serving yet): passed over at its first refusal by some nodes and not by others, it split
-#: the NATed nodes between relays and lost their frames (start-up iterations of 6-19 s in bench/nat.py).
+#: plane is not serving yet): passed over at its first refusal by some nodes and not by others, it would
+#: split the NATed nodes between relays, and frames between them would reach relays with no way on.
 RELAY_DEAD_AFTER_S = 20.0
 #: Seconds a NATed node gives the stream to one relay to open: a dial of a dead address can take a minute.
 RELAY_OPEN_TIMEOUT_S = 10.0
