@@ -51,6 +51,11 @@ def test_a_replica_measured_slow_gets_fewer_microbatches_at_the_next_epoch(tmp_p
         wait_for(swarm, [0], lambda s: s.get("pinned_epoch") is not None, 240, "the first epoch")
         first = call_http(swarm.nodes[0].rpc_url, "schedule", {}, timeout=10)
         first_epoch = first["epoch"]
+        # a replica the first plan sends nothing never measures its speed, so nothing could re-plan: say so now
+        split = _microbatches(first["schedule"], first["members"])
+        assert all(split[swarm.nodes[i].peer_id] > 0 for i in (FAST, SLOW)), (
+            f"the first epoch, planned on start-up benchmarks, sends a replica no microbatch: {split}; "
+            f"{call_http(swarm.nodes[0].rpc_url, 'swarm', {}, timeout=10)['peers']}")
 
         def trained_a_later_epoch(s: dict) -> bool:
             late = [h for h in s.get("history") or () if h["epoch"] > first_epoch]
