@@ -33,13 +33,14 @@ from libp2p.crypto.pb import crypto_pb2
 
 from node.errors import UserError
 
-__all__ = ["looks_like_peer_id", 
+__all__ = [
     "NodeIdentity",
     "IdentityLock",
     "load_or_create_identity",
     "load_or_create_gossip_key",
     "peer_id_from_rsa_public_key",
     "verify_rsa_signature",
+    "looks_like_peer_id",
 ]
 
 #: An RSA identity file is about 1.2 KiB; anything much larger is not one (and is not read into memory).
